@@ -1,0 +1,84 @@
+"""The experiment config: typed sections with their defaults (the embedded default run)."""
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from dr_scale.config.typed import Section, field
+
+
+@dataclass
+class ModelConfig(Section):
+    # A preset names the shape; any field set here overrides the preset's value.
+    preset: str = field("tiny", help="name in dr_scale.models.presets")
+    arch: Optional[str] = field(None, choices=["llama", "gpt2"])
+    hidden_size: Optional[int] = field(None, min=1)
+    num_layers: Optional[int] = field(None, min=1)
+    num_heads: Optional[int] = field(None, min=1)
+    num_kv_heads: Optional[int] = field(None, min=1)
+    ffn_hidden_size: Optional[int] = field(None, min=1)
+    vocab_size: Optional[int] = field(None, min=2, help="null: the tokenizer's, padded")
+    max_seq_length: Optional[int] = field(None, min=1)
+    tie_embeddings: Optional[bool] = None
+    norm_eps: Optional[float] = field(None, min=0.0)
+    rope_theta: Optional[float] = field(None, min=1.0)
+    attention: str = field("sdpa", help="name in ATTENTION_REGISTRY")
+    dropout: float = field(0.0, min=0.0, max=1.0)
+    init_std: float = field(0.02, min=0.0)
+    pad_vocab_multiple: int = field(64, min=1)
+
+
+@dataclass
+class DatasetSpec(Section):
+    prefix: str = field(help="path of a .bin/.idx pair without the extension")
+    weight: float = field(1.0, min=0.0)
+
+
+@dataclass
+class DataConfig(Section):
+    tokenizer: Optional[str] = field(None, help="sentencepiece .model; null: trained on the corpus")
+    tokenizer_vocab_size: int = field(4096, min=64, help="when a tokenizer is trained")
+    datasets: List[DatasetSpec] = field(factory=list, help="empty: the bundled corpus")
+    seq_length: int = field(256, min=8)
+    valid_fraction: float = field(0.05, min=0.0, max=0.5)
+    num_workers: int = field(0, min=0)
+    cache_dir: str = field("${env:DR_SCALE_CACHE,~/.cache/dr_scale}")
+
+
+@dataclass
+class TrainConfig(Section):
+    max_steps: int = field(200, min=1)
+    micro_batch_size: int = field(8, min=1)
+    global_batch_size: Optional[int] = field(None, min=1, help="null: micro x data-parallel")
+    lr: float = field(3e-3, min=0.0)
+    min_lr: float = field(3e-4, min=0.0)
+    lr_schedule: str = field("cosine", help="name in SCHEDULE_REGISTRY")
+    warmup_steps: int = field(20, min=0)
+    lr_decay_steps: Optional[int] = field(None, min=1, help="null: max_steps")
+    weight_decay: float = field(0.1, min=0.0)
+    grad_clip: float = field(1.0, min=0.0, help="0: off")
+    seed: int = field(1234, min=0)
+    log_interval: int = field(10, min=1)
+    eval_interval: int = field(50, min=1)
+    eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
+    save_interval: int = field(100, min=1)
+    stop_at_step: Optional[int] = field(None, min=1, help="exit after this step; schedule unchanged")
+
+
+@dataclass
+class LoggingConfig(Section):
+    console: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "dr_scale"
+    wandb_mode: str = field("offline", choices=["offline", "online", "disabled"])
+    plot: bool = True
+
+
+@dataclass
+class RunConfig(Section):
+    model: ModelConfig = field(factory=ModelConfig)
+    data: DataConfig = field(factory=DataConfig)
+    train: TrainConfig = field(factory=TrainConfig)
+    logging: LoggingConfig = field(factory=LoggingConfig)
+    callbacks: Dict[str, Any] = field(factory=dict, help="callbacks.<name>.enabled etc.")
+    run_dir: Optional[str] = field(None, help="null: runs/<date>-<time>")

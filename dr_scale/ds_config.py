@@ -1,0 +1,158 @@
+"""DeepSpeed JSON: find it, read it, fill its "auto" values from the experiment config, and stop
+with one line where the two disagree. DeepSpeed itself then owns everything the JSON says."""
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from dr_scale.errors import DrScaleError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+# DeepSpeed scheduler params we know how to fill, by scheduler type.
+_SCHEDULER_AUTO = {
+    "WarmupLR": ("warmup_num_steps", "warmup_max_lr", "warmup_min_lr"),
+    "WarmupDecayLR": ("warmup_num_steps", "warmup_max_lr", "warmup_min_lr", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_num_steps", "total_num_steps", "cos_min_ratio", "warmup_min_ratio"),
+}
+
+
+def resolve_path(name_or_path: str) -> Path:
+    """A path as given, else a bare name (with or without .json) looked up in ds_configs/."""
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        return p.resolve()
+    if p.parent == Path("."):
+        for candidate in (Path.cwd() / "ds_configs" / p.name, DS_CONFIG_DIR / p.name):
+            for c in (candidate, candidate.with_name(candidate.name + ".json")):
+                if c.exists():
+                    return c.resolve()
+    known = ", ".join(sorted(q.name for q in DS_CONFIG_DIR.glob("*.json")))
+    raise DrScaleError(f"--ds_config {name_or_path}: file not found (bare names resolve to "
+                       f"{DS_CONFIG_DIR}: {known})")
+
+
+def read_json(path: Path) -> Dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DrScaleError(f"{path}: JSON syntax error at line {e.lineno}, column {e.colno}: "
+                           f"{e.msg}") from None
+    except OSError as e:
+        raise DrScaleError(f"{path}: cannot read ({e.strerror})") from None
+    if not isinstance(data, dict):
+        raise DrScaleError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def batch_layout(train_cfg, dp_size: int) -> Dict[str, int]:
+    """micro, accumulation and global batch sizes; the global size must split evenly."""
+    micro = train_cfg.micro_batch_size
+    global_bs = train_cfg.global_batch_size or micro * dp_size
+    if global_bs % (micro * dp_size):
+        raise DrScaleError(
+            f"train.global_batch_size={global_bs} is not a multiple of train.micro_batch_size="
+            f"{micro} x data-parallel size {dp_size} = {micro * dp_size}")
+    return {"micro": micro, "accum": global_bs // (micro * dp_size), "global": global_bs}
+
+
+def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config") -> Dict[str, Any]:
+    """Return a copy of ``ds`` with every "auto" filled and every explicit value checked."""
+    ds = copy.deepcopy(ds)
+    t = cfg.train
+    b = batch_layout(t, dp_size)
+
+    def settle(container: dict, key: str, value, exp_name: str, dotted: Optional[str] = None):
+        dotted = dotted or key
+        current = container.get(key, "auto")
+        if current == "auto":
+            container[key] = value
+        elif not isinstance(current, (int, float)) or isinstance(current, bool):
+            raise DrScaleError(f"{source}: {dotted}: expected a number or \"auto\", got {current!r}")
+        elif abs(float(current) - float(value)) > 1e-12 * max(1.0, abs(float(value))):
+            raise DrScaleError(
+                f"{source}: {dotted}={current} disagrees with {exp_name}={value}; set one of "
+                f"them to match, or set {dotted} to \"auto\"")
+
+    settle(ds, "train_micro_batch_size_per_gpu", b["micro"], "train.micro_batch_size")
+    settle(ds, "gradient_accumulation_steps", b["accum"],
+           f"train.global_batch_size / (micro x dp) = {b['global']} / "
+           f"({b['micro']} x {dp_size})")
+    settle(ds, "train_batch_size", b["global"],
+           f"train.micro_batch_size x accumulation x data-parallel = {b['micro']} x "
+           f"{b['accum']} x {dp_size}")
+    settle(ds, "gradient_clipping", t.grad_clip, "train.grad_clip")
+
+    opt = ds.get("optimizer")
+    if opt is not None:
+        params = opt.setdefault("params", {})
+        settle(params, "lr", t.lr, "train.lr", "optimizer.params.lr")
+        settle(params, "weight_decay", t.weight_decay, "train.weight_decay",
+               "optimizer.params.weight_decay")
+
+    sched = ds.get("scheduler")
+    if sched is not None:
+        kind = sched.get("type")
+        if kind not in _SCHEDULER_AUTO:
+            if _has_auto(sched):
+                raise DrScaleError(f"{source}: scheduler.type={kind!r}: \"auto\" values are filled "
+                                   f"only for {', '.join(_SCHEDULER_AUTO)}")
+        else:
+            decay = t.lr_decay_steps or t.max_steps
+            values = {"warmup_num_steps": t.warmup_steps, "warmup_max_lr": t.lr,
+                      "warmup_min_lr": 0.0, "total_num_steps": decay,
+                      "cos_min_ratio": t.min_lr / t.lr if t.lr else 0.0, "warmup_min_ratio": 0.0}
+            params = sched.setdefault("params", {})
+            for key in _SCHEDULER_AUTO[kind]:
+                if params.get(key) == "auto":
+                    params[key] = values[key]
+
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        raise DrScaleError(f"{source}: bf16.enabled and fp16.enabled are both true; pick one")
+    leftover = _find_auto(ds)
+    if leftover:
+        raise DrScaleError(f"{source}: {leftover}: \"auto\" has no value in the experiment config "
+                           "here; give a number")
+    return ds
+
+
+def _has_auto(obj) -> bool:
+    return _find_auto(obj) is not None
+
+
+def _find_auto(obj, prefix="") -> Optional[str]:
+    if obj == "auto":
+        return prefix.rstrip(".") or "<root>"
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            hit = _find_auto(v, f"{prefix}{k}.")
+            if hit:
+                return hit
+    if isinstance(obj, list):
+        for i, v in enumerate(obj):
+            hit = _find_auto(v, f"{prefix}[{i}].")
+            if hit:
+                return hit
+    return None
+
+
+def precision(ds: Dict[str, Any]) -> str:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def zero_stage(ds: Dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def load(name_or_path: str, cfg, dp_size: int) -> Dict[str, Any]:
+    path = resolve_path(name_or_path)
+    return fill(read_json(path), cfg, dp_size, source=str(path))

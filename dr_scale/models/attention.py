@@ -1,0 +1,18 @@
+"""Attention implementations selectable by name (`model.attention`)."""
+import torch.nn.functional as F
+
+from dr_scale.kernels import reference
+from dr_scale.registry import ATTENTION_REGISTRY
+
+
+@ATTENTION_REGISTRY.register("sdpa")
+def sdpa_attention(q, k, v, causal=True, dropout_p=0.0, training=False):
+    """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively."""
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, dropout_p=dropout_p if training else 0.0,
+        enable_gqa=k.shape[1] != q.shape[1])
+
+
+@ATTENTION_REGISTRY.register("eager")
+def eager_attention(q, k, v, causal=True, dropout_p=0.0, training=False):
+    return reference.attention(q, k, v, causal=causal, dropout_p=dropout_p, training=training)

@@ -1,0 +1,97 @@
+"""From `model:` config (+ the tokenizer's vocabulary) to a concrete shape and an nn.Module."""
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dr_scale.errors import DrScaleError
+from dr_scale.models.presets import PRESETS
+from dr_scale.registry import ATTENTION_REGISTRY, MODEL_REGISTRY
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_seq_length: int
+    tie_embeddings: bool
+    norm_eps: float
+    rope_theta: float
+    attention: str = "sdpa"
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def pad_vocab(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="model") -> ModelShape:
+    """Preset values, overridden by any field set in the config; vocabulary from the tokenizer."""
+    if model_cfg.preset not in PRESETS:
+        raise DrScaleError(f"{source}.preset: unknown preset '{model_cfg.preset}'; known: "
+                           f"{', '.join(sorted(PRESETS))}")
+    values = dict(PRESETS[model_cfg.preset])
+    for f in dataclasses.fields(ModelShape):
+        v = getattr(model_cfg, f.name, None)
+        if v is not None and f.name != "vocab_size":
+            values[f.name] = v
+    if tokenizer_vocab is not None:
+        padded = pad_vocab(tokenizer_vocab, model_cfg.pad_vocab_multiple)
+        if model_cfg.vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab:
+            raise DrScaleError(
+                f"{source}.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                f"vocabulary ({tokenizer_vocab}); token ids would fall outside the embedding")
+        values["vocab_size"] = model_cfg.vocab_size or padded
+    elif model_cfg.vocab_size is not None:
+        values["vocab_size"] = model_cfg.vocab_size
+    shape = ModelShape(**values)
+    if shape.hidden_size % shape.num_heads:
+        raise DrScaleError(f"{source}.hidden_size={shape.hidden_size} is not divisible by "
+                           f"{source}.num_heads={shape.num_heads}")
+    if shape.num_heads % shape.num_kv_heads:
+        raise DrScaleError(f"{source}.num_heads={shape.num_heads} is not a multiple of "
+                           f"{source}.num_kv_heads={shape.num_kv_heads}")
+    if shape.arch == "llama" and shape.head_dim % 2:
+        raise DrScaleError(f"{source}: head dim {shape.head_dim} must be even for rotary embeddings")
+    ATTENTION_REGISTRY.get(shape.attention)  # unknown names list the known ones
+    return shape
+
+
+def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:
+    """Build the plain nn.Module; device="meta" allocates nothing (counting, estimates)."""
+    if device is None:
+        return MODEL_REGISTRY.build(shape.arch, shape)
+    with torch.device(device):
+        return MODEL_REGISTRY.build(shape.arch, shape)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def flops_per_token(shape: ModelShape, seq_length: int) -> float:
+    """Training FLOPs per token, the PaLM/Megatron count: 6 x (matmul parameters, the output
+    projection included, input embeddings not) + 12 x layers x hidden x sequence (attention
+    scores and values, full square, as those papers count it). No recomputation (that is HFU)."""
+    d, L, f = shape.hidden_size, shape.num_layers, shape.ffn_hidden_size
+    kv = shape.num_kv_heads * shape.head_dim
+    attn = d * d * 2 + d * kv * 2                      # q, o and k, v projections
+    mlp = 3 * d * f if shape.arch == "llama" else 2 * d * f
+    matmul_params = L * (attn + mlp) + d * shape.vocab_size
+    return 6.0 * matmul_params + 12.0 * L * d * seq_length

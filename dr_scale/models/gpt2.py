@@ -1,0 +1,48 @@
+"""GPT-2-style decoder: LayerNorm, GeLU MLP, learned positions, biases, tied embeddings."""
+import torch
+from torch import nn
+
+from dr_scale.kernels import reference
+from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, init_weights
+from dr_scale.registry import MODEL_REGISTRY
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.ln_1 = LayerNorm(shape.hidden_size, eps=shape.norm_eps)
+        self.attn = SelfAttention(shape, bias=True)
+        self.ln_2 = LayerNorm(shape.hidden_size, eps=shape.norm_eps)
+        self.mlp = GeluMLP(shape.hidden_size, shape.ffn_hidden_size)
+        self.drop = nn.Dropout(shape.dropout)
+
+    def forward(self, x):
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+@MODEL_REGISTRY.register("gpt2")
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+        self.wte = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.wpe = nn.Embedding(shape.max_seq_length, shape.hidden_size)
+        self.drop = nn.Dropout(shape.dropout)
+        self.h = nn.ModuleList(GPT2Block(shape) for _ in range(shape.num_layers))
+        self.ln_f = LayerNorm(shape.hidden_size, eps=shape.norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if self.wte.weight.device.type != "meta":
+            init_weights(self, shape.init_std, shape.num_layers)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        return reference.cross_entropy(logits, labels)

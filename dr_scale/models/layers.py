@@ -1,0 +1,104 @@
+"""Building blocks shared by the decoders: norms, rotary tables, attention block, MLPs."""
+import math
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from dr_scale.kernels import reference
+from dr_scale.registry import ATTENTION_REGISTRY, NORM_REGISTRY
+
+
+@NORM_REGISTRY.register("rmsnorm")
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return reference.rms_norm(x, self.weight, self.eps)
+
+
+@NORM_REGISTRY.register("layernorm")
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return reference.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables, kept as non-persistent buffers (recomputed, never checkpointed)."""
+
+    def __init__(self, head_dim: int, max_seq: int, theta: float):
+        super().__init__()
+        cos, sin = reference.rotary_tables(max_seq, head_dim, theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, seq_len: int):
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+class SelfAttention(nn.Module):
+    """Multi-head attention with grouped-query heads; rotary when `rotary` tables are passed."""
+
+    def __init__(self, shape, bias: bool):
+        super().__init__()
+        d, hd = shape.hidden_size, shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, shape.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=bias)
+        self.attend = ATTENTION_REGISTRY.get(shape.attention)
+        self.dropout = shape.dropout
+
+    def forward(self, x, rotary=None):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
+        out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(reference.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.fc_in = nn.Linear(d, ffn)
+        self.fc_out = nn.Linear(ffn, d)
+
+    def forward(self, x):
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+# Projections that write into the residual stream; scaled at init (GPT-2 / Megatron practice).
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
+
+
+def init_weights(model: nn.Module, std: float, num_layers: int):
+    """Normal(0, std) for every matrix and embedding, std/sqrt(2L) for residual outputs, zero
+    biases, unit norm weights."""
+    out_std = std / math.sqrt(2 * num_layers)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            s = out_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else std
+            nn.init.normal_(module.weight, 0.0, s)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)

@@ -1,0 +1,62 @@
+"""Pure-torch reference ops. Statistics (norms, softmax, loss) are computed in fp32 whatever the
+input dtype, and cast back, as the fused kernels do."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps: float):
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(),
+                        None if bias is None else bias.float(), eps).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None):
+    """cos and sin of shape (seq, head_dim), in the half-split layout Llama checkpoints use."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                                / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); rotate pairs (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False):
+    """Eager attention. q: (B, H, S, D); k, v: (B, KVH, S, D) with H a multiple of KVH."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        s_q, s_k = q.shape[-2], k.shape[-2]
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p and training:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100):
+    """Mean token cross-entropy in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=ignore_index)

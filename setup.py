@@ -1,0 +1,38 @@
+"""dr_scale: DeepSpeed-centric pretraining of decoder language models."""
+from setuptools import find_packages, setup
+
+# The top-level kernels/ folder is installed as `dr_scale.kernels`: PyPI has an unrelated
+# `kernels` package that other libraries import when present, so a bare `kernels` would clash.
+packages = find_packages(include=["dr_scale", "dr_scale.*"])
+packages += ["dr_scale.kernels"] + [
+    "dr_scale.kernels." + p for p in find_packages(where="kernels")
+]
+
+setup(
+    name="dr_scale",
+    version="0.1.0",
+    description="Pretraining decoder language models with DeepSpeed, from one CPU to many GPU nodes",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir={"dr_scale.kernels": "kernels"},
+    package_data={"dr_scale": ["data/corpus/*.jsonl.gz", "data/corpus/*.md", "defaults/*.yaml",
+                               "defaults/ds_configs/*.json"]},
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "sentencepiece>=0.2",
+        "numpy>=1.24",
+        "pyyaml>=6",
+        "matplotlib>=3.7",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "tensorboard": ["tensorboard>=2.14"],
+        "wandb": ["wandb>=0.16"],
+        "megatron": ["megatron-core>=0.9"],
+        "triton": ["triton>=3.0"],
+        "dev": ["pytest>=8", "hypothesis>=6", "tensorboard>=2.14", "transformers>=4.40",
+                "safetensors>=0.4"],
+    },
+    entry_points={"console_scripts": ["dr-scale=dr_scale.cli:main"]},
+)
