@@ -1,0 +1,1 @@
+"""Data: sentencepiece tokenizer, Megatron-format .bin/.idx files, packed sequences, loaders."""

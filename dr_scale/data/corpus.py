@@ -1,0 +1,49 @@
+"""The bundled corpus and the cached tokenizer + dataset built from it on first use."""
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dr_scale.data.preprocess import iter_documents, preprocess
+from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
+
+CORPUS = Path(__file__).resolve().parent / "corpus" / "kjv_selection.jsonl.gz"
+_BUILD_VERSION = "1"  # bump when the build below changes what it writes
+
+
+def _key(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else str(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def bundled_data(cache_dir, vocab_size: int, tokenizer_path=None):
+    """(tokenizer .model path, dataset prefix) for the bundled corpus, built once and cached.
+
+    The build happens in a private temporary folder renamed into place, so concurrent builders
+    (ranks on several nodes sharing a file system) never see a half-written cache.
+    """
+    cache_dir = Path(os.path.expanduser(cache_dir))
+    tok_sha = Tokenizer(tokenizer_path).sha256 if tokenizer_path else None
+    key = _key(_BUILD_VERSION, CORPUS.read_bytes(), vocab_size, tok_sha)
+    final = cache_dir / f"bundled-{key}"
+    if not (final / "DONE").exists():
+        tmp = cache_dir / f".bundled-{key}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        t0 = time.time()
+        if tokenizer_path is None:
+            model = train_tokenizer(iter_documents([CORPUS]), tmp / "tokenizer", vocab_size)
+        else:
+            model = tmp / "tokenizer.model"
+            shutil.copyfile(tokenizer_path, model)
+        preprocess([CORPUS], Tokenizer(model), tmp / "corpus", progress=False)
+        (tmp / "DONE").write_text(f"built in {time.time() - t0:.1f}s\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final / "tokenizer.model", final / "corpus"

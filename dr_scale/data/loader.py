@@ -1,0 +1,94 @@
+"""Train and held-out loaders for a data-parallel rank, with a resumable position."""
+from dataclasses import dataclass
+from typing import Iterator, List
+
+import torch
+
+from dr_scale.data.corpus import bundled_data
+from dr_scale.data.dataset import PackedSequenceDataset, SampleStream, split_documents
+from dr_scale.data.indexed import IndexedDataset
+from dr_scale.data.tokenizer import Tokenizer
+from dr_scale.errors import DrScaleError
+
+
+@dataclass
+class DataSources:
+    tokenizer: Tokenizer
+    train: SampleStream
+    valid: SampleStream
+
+
+def resolve_files(data_cfg):
+    """(tokenizer path, [(prefix, weight)]): the configured ones or the bundled corpus."""
+    if data_cfg.datasets:
+        if data_cfg.tokenizer is None:
+            raise DrScaleError("data.tokenizer: required when data.datasets is set (the "
+                               "tokenizer the datasets were made with)")
+        return data_cfg.tokenizer, [(d.prefix, d.weight) for d in data_cfg.datasets]
+    tok, prefix = bundled_data(data_cfg.cache_dir, data_cfg.tokenizer_vocab_size,
+                               data_cfg.tokenizer)
+    return tok, [(str(prefix), 1.0)]
+
+
+def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
+                  tokenizer_path=None, specs=None) -> DataSources:
+    if tokenizer_path is None:
+        tokenizer_path, specs = resolve_files(data_cfg)
+    tokenizer = Tokenizer(tokenizer_path)
+    train_sets, valid_sets, weights, valid_weights = [], [], [], []
+    for prefix, weight in specs:
+        indexed = IndexedDataset(prefix)
+        indexed.check_tokenizer(tokenizer)
+        train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, seed, prefix)
+        train_sets.append(PackedSequenceDataset(indexed, train_ids, data_cfg.seq_length, seed,
+                                                f"{prefix} (train split)"))
+        weights.append(weight)
+        if len(valid_ids):
+            valid_sets.append(PackedSequenceDataset(indexed, valid_ids, data_cfg.seq_length, seed,
+                                                    f"{prefix} (held-out split)"))
+            valid_weights.append(weight)
+    if not valid_sets:
+        raise DrScaleError("data.valid_fraction: 0 leaves no held-out split to evaluate on; "
+                           "expected a fraction > 0")
+    eval_samples = min(eval_samples, sum(len(d) for d in valid_sets))
+    return DataSources(tokenizer=tokenizer,
+                       train=SampleStream(train_sets, weights, seed, train_samples),
+                       valid=SampleStream(valid_sets, valid_weights, seed + 1, eval_samples))
+
+
+class StepBatchSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches of global sample positions, from ``start_step`` on.
+
+    Step s covers positions [s*G, (s+1)*G); micro-batch m of rank r takes
+    s*G + (m*dp + r)*micro + [0, micro). The data position is thus the step count alone.
+    """
+
+    def __init__(self, micro: int, accum: int, dp_size: int, dp_rank: int, start_step: int,
+                 max_steps: int):
+        self.micro, self.accum, self.dp, self.rank = micro, accum, dp_size, dp_rank
+        self.start, self.max_steps = start_step, max_steps
+        self.global_batch = micro * accum * dp_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for step in range(self.start, self.max_steps):
+            for m in range(self.accum):
+                base = step * self.global_batch + (m * self.dp + self.rank) * self.micro
+                yield list(range(base, base + self.micro))
+
+    def __len__(self):
+        return (self.max_steps - self.start) * self.accum
+
+
+def train_loader(stream: SampleStream, layout: dict, dp_size: int, dp_rank: int, start_step: int,
+                 max_steps: int, num_workers: int):
+    sampler = StepBatchSampler(layout["micro"], layout["accum"], dp_size, dp_rank, start_step,
+                               max_steps)
+    return torch.utils.data.DataLoader(stream, batch_sampler=sampler, num_workers=num_workers,
+                                       persistent_workers=num_workers > 0)
+
+
+def eval_batches(stream: SampleStream, micro: int, dp_size: int, dp_rank: int):
+    """The same held-out samples every time, split round-robin over data-parallel ranks."""
+    mine = list(range(dp_rank, len(stream), dp_size))
+    for i in range(0, len(mine), micro):
+        yield torch.stack([stream[p] for p in mine[i:i + micro]])

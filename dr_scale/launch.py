@@ -1,0 +1,202 @@
+"""`deepspeed launchers/pretrain.py --ds_config zero3.json [--config Y] [--run_dir D] [--resume]
+[dotted.key=value ...]`: config -> data -> model -> DeepSpeed engine -> Trainer.fit()."""
+import argparse
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+from dr_scale.errors import DrScaleError
+
+USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
+         "[--run_dir DIR] [--resume] [dotted.key=value ...]")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise DrScaleError(f"command line: {message} (usage: {USAGE})")
+
+
+def parse_args(argv=None):
+    p = _Parser(prog="pretrain.py", usage=USAGE)
+    p.add_argument("--ds_config", required=True, help="DeepSpeed JSON; bare names resolve to ds_configs/")
+    p.add_argument("--config", help="experiment YAML; default: the embedded default")
+    p.add_argument("--run_dir", help="run folder; default: runs/<date>-<time>")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
+    p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed():
+    """deepspeed.init_distributed with the accelerator's backend (gloo on CPU, NCCL on GPU); a
+    plain `python launchers/pretrain.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
+                      os.environ.get("WORLD_SIZE", "1"))
+    if acc.device_name() == "cpu":
+        import torch
+
+        # Ranks share the cores: more threads than cores per rank makes gloo steps erratic.
+        threads = int(os.environ.get("DR_SCALE_THREADS_PER_RANK", 0)) or \
+            max(1, (os.cpu_count() or 1) // max(1, local_world))
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+    else:
+        import torch
+
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        acc.set_device(local_rank)
+        device = torch.device(acc.device_name(local_rank))
+    return device, local_world
+
+
+def _broadcast(obj):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run(args):
+    import torch
+    import torch.distributed as dist
+
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    config_path = args.config
+    if args.resume:
+        if run_dir is None:
+            raise DrScaleError("--resume: needs --run_dir (the run folder to continue)")
+        if config_path is None:
+            config_path = run_dir / "config.yaml"
+            if not config_path.is_file():
+                raise DrScaleError(f"{config_path}: not found; --resume continues a run folder "
+                                   "made by an earlier run")
+    cfg = load_config(config_path, args.overrides)
+    ds_path = dsc.resolve_path(args.ds_config)  # a bad name fails before the slow start below
+
+    device, local_world = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_size, dp_rank = world, rank
+    ds = dsc.fill(dsc.read_json(ds_path), cfg, dp_size, source=str(ds_path))
+    layout = dsc.batch_layout(cfg.train, dp_size)
+
+    if run_dir is None:
+        run_dir = Path(cfg.run_dir or _broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
+    run_dir = run_dir.resolve()
+    if not args.resume and (run_dir / "checkpoints").exists():
+        raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
+                           "or choose another --run_dir")
+
+    from dr_scale.data.loader import build_sources, resolve_files
+    from dr_scale.models import build_model, resolve_shape
+    from dr_scale.models.build import count_parameters, flops_per_token
+
+    # Local rank 0 builds the cached tokenizer and dataset (first use); the others wait.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        files = resolve_files(cfg.data)
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        files = resolve_files(cfg.data)
+    t = cfg.train
+    stop = min(t.max_steps, t.stop_at_step or t.max_steps)
+    sources = build_sources(cfg.data, t.seed, train_samples=max(stop, t.max_steps) * layout["global"],
+                            eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
+    shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)
+    if cfg.data.seq_length > shape.max_seq_length:
+        raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
+                           f"model.max_seq_length={shape.max_seq_length}")
+    cfg.freeze()
+
+    from dr_scale.train.callbacks import build_callbacks
+    from dr_scale.train.metrics import MetricsLogger
+    from dr_scale.train.peak_flops import peak_flops
+    from dr_scale.train.schedule import build_scheduler
+    from dr_scale.train.trainer import Trainer
+    from dr_scale import ds_config as _ds
+
+    torch.manual_seed(t.seed)
+    model = build_model(shape)
+    n_params = count_parameters(model)
+    fpt = flops_per_token(shape, cfg.data.seq_length)
+    precision = _ds.precision(ds)
+    peak, peak_source = peak_flops(precision, device.type,
+                                   torch.cuda.get_device_name() if device.type == "cuda" else "")
+
+    if rank == 0:
+        from dr_scale.config.snapshot import write_snapshot
+
+        snap_dir = run_dir / "resumes" / time.strftime("%Y%m%d-%H%M%S") if args.resume else run_dir
+        write_snapshot(snap_dir, cfg, ds, {
+            "world": {"world_size": world, "ranks_per_node": local_world, "data_parallel": dp_size,
+                      "device": device.type, "backend": dist.get_backend()},
+            "model": {"shape": shape.__dict__, "parameters": n_params, "flops_per_token": fpt},
+            "data": {"tokenizer": str(files[0]), "tokenizer_sha256": sources.tokenizer.sha256,
+                     "datasets": [{"prefix": str(p), "weight": w} for p, w in files[1]]},
+            "batch": layout, "peak_flops": {"value": peak, "source": peak_source}})
+        shutil.copyfile(files[0], run_dir / "tokenizer.model")
+    dist.barrier()
+
+    logger = MetricsLogger(run_dir, cfg.logging, t.max_steps, enabled=rank == 0,
+                           run_name=run_dir.name)
+    logger.info(f"dr_scale: {world} rank(s) ({local_world} on this node), {device.type}, "
+                f"{dist.get_backend()}, ZeRO-{_ds.zero_stage(ds)}, {precision}; model "
+                f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
+                f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} ranks = "
+                f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
+
+    import deepspeed
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 else decay).append(p)  # no weight decay on norms and biases
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds,
+                                           lr_scheduler=scheduler)
+    callbacks = build_callbacks(cfg.callbacks)
+    trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
+                      peak, device, callbacks)
+    if args.resume:
+        trainer.resume()
+    try:
+        trainer.fit()
+    finally:
+        logger.close()
+    if rank == 0 and cfg.logging.plot:
+        from dr_scale.train.plot import plot_curves
+
+        logger.info(f"wrote {plot_curves(run_dir)}")
+    dist.barrier()
+    return run_dir
+
+
+def main(argv=None):
+    try:
+        args = parse_args(argv)
+        run(args)
+    except DrScaleError as e:
+        rank = os.environ.get("RANK", "0")
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        print(f"{prefix}dr_scale: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

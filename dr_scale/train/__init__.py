@@ -1,0 +1,1 @@
+"""The training loop around a DeepSpeed engine, and what plugs into it."""

@@ -1,0 +1,35 @@
+"""curves.png: train/held-out loss, and throughput, against step (from metrics.jsonl)."""
+from pathlib import Path
+
+from dr_scale.train.metrics import read_metrics
+
+
+def plot_curves(run_dir) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_loss" in r]
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
+    if train:
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+                     label="held-out")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+    if train:
+        ax_tput.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    ax_tput.set(xlabel="step", ylabel="tokens/s (all ranks)", title="Throughput")
+    ax_tput.grid(alpha=0.3)
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,128 @@
+"""The training loop over a DeepSpeed engine."""
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dr_scale.data.loader import eval_batches, train_loader
+from dr_scale.train import checkpoint
+from dr_scale.train.callbacks import CallbackList
+from dr_scale.train.metrics import peak_memory_bytes
+
+
+class Trainer:
+    def __init__(self, engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger,
+                 flops_per_token, peak_flops, device, callbacks=()):
+        self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
+        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.run_dir, self.logger = Path(run_dir), logger
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.device = device
+        self.callbacks = CallbackList(callbacks)
+        self.step = 0  # optimizer steps done
+        self.tokens_per_step = layout["global"] * cfg.data.seq_length
+
+    def register_callback(self, callback):
+        self.callbacks.add(callback)
+
+    def current_lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.step * self.layout["global"],
+                "rng": checkpoint.rng_state(),
+                "callbacks": [cb.state_dict() for cb in self.callbacks.callbacks]}
+
+    def save_checkpoint(self):
+        path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
+                               self.state_dict(), dist.get_rank())
+        self.logger.info(f"saved checkpoint {path}")
+        self.callbacks.fire("on_checkpoint", self, self.step, path)
+
+    def resume(self):
+        state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints", dist.get_rank())
+        self.step = int(state["step"])
+        checkpoint.set_rng_state(state["rng"])
+        for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):
+            cb.load_state_dict(cb_state)
+        self.logger.info(f"resumed from {path} at step {self.step} "
+                         f"({state['consumed_samples']} samples consumed)")
+        self.callbacks.fire("on_resume", self, self.step, path)
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.engine.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        for batch in eval_batches(self.sources.valid, self.layout["micro"], self.dp_size,
+                                  self.dp_rank):
+            batch = batch.to(self.device)
+            loss = self.engine(batch[:, :-1], batch[:, 1:])
+            tokens = batch[:, 1:].numel()
+            totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
+        dist.all_reduce(totals)
+        self.engine.train()
+        eval_loss = (totals[0] / totals[1]).item()
+        rec = {"step": self.step, "eval_loss": eval_loss,
+               "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(totals[1])}
+        self.logger.log(rec)
+        self.callbacks.fire("on_evaluate", self, self.step, rec)
+        return rec
+
+    # -- training ------------------------------------------------------------------------------
+    def fit(self):
+        t = self.cfg.train
+        stop = min(t.max_steps, t.stop_at_step or t.max_steps)
+        self.callbacks.fire("on_train_start", self)
+        if self.step == 0:
+            self.evaluate()
+        loader = train_loader(self.sources.train, self.layout, self.dp_size, self.dp_rank,
+                              self.step, stop, self.cfg.data.num_workers)
+        batches = iter(loader)
+        window_losses, window_start = [], time.perf_counter()
+        while self.step < stop:
+            self.callbacks.fire("before_step", self, self.step)
+            lr = self.current_lr()
+            step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            for micro in range(self.layout["accum"]):
+                batch = next(batches).to(self.device, non_blocking=True)
+                loss = self.engine(batch[:, :-1], batch[:, 1:])
+                self.engine.backward(loss)
+                self.callbacks.fire("after_backward", self, self.step, micro)
+                self.engine.step()
+                step_loss += loss.detach().float()
+            self.step += 1
+            window_losses.append(step_loss / self.layout["accum"])
+            record = None
+            if self.step % t.log_interval == 0 or self.step == stop:
+                record = self._train_record(window_losses, time.perf_counter() - window_start, lr)
+                self.logger.log(record)
+                window_losses, window_start = [], time.perf_counter()
+            self.callbacks.fire("after_step", self, self.step, record)
+            if self.step % t.eval_interval == 0 or self.step == t.max_steps:
+                self.evaluate()
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+            if self.step % t.save_interval == 0 or self.step == stop:
+                self.save_checkpoint()
+                window_start = time.perf_counter()
+        self.callbacks.fire("on_exit", self)
+
+    def _train_record(self, window_losses, seconds, lr) -> dict:
+        """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
+        losses = torch.stack(window_losses)
+        dist.all_reduce(losses)
+        losses = losses / self.dp_size
+        mem = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the fullest rank is the one that matters
+        steps = len(window_losses)
+        tokens_per_s = steps * self.tokens_per_step / seconds
+        flops_per_rank = tokens_per_s * self.flops_per_token / dist.get_world_size()
+        return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
+                "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12,
+                "mfu": flops_per_rank / self.peak_flops,
+                "step_time_s": seconds / steps,
+                "consumed_tokens": self.step * self.tokens_per_step,
+                "mem_peak_bytes": int(mem.item())}
