@@ -45,21 +45,21 @@ class DataConfig(Section):
 
 @dataclass
 class TrainConfig(Section):
-    max_steps: int = field(200, min=1)
+    max_steps: int = field(400, min=1)
     micro_batch_size: int = field(8, min=1)
     global_batch_size: Optional[int] = field(None, min=1, help="null: micro x data-parallel")
     lr: float = field(3e-3, min=0.0)
     min_lr: float = field(3e-4, min=0.0)
     lr_schedule: str = field("cosine", help="name in SCHEDULE_REGISTRY")
-    warmup_steps: int = field(20, min=0)
+    warmup_steps: int = field(40, min=0)
     lr_decay_steps: Optional[int] = field(None, min=1, help="null: max_steps")
     weight_decay: float = field(0.1, min=0.0)
     grad_clip: float = field(1.0, min=0.0, help="0: off")
     seed: int = field(1234, min=0)
     log_interval: int = field(10, min=1)
-    eval_interval: int = field(50, min=1)
+    eval_interval: int = field(100, min=1)
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
-    save_interval: int = field(100, min=1)
+    save_interval: int = field(200, min=1)
     stop_at_step: Optional[int] = field(None, min=1, help="exit after this step; schedule unchanged")
 
 

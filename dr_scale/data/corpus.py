@@ -9,7 +9,7 @@ from dr_scale.data.preprocess import iter_documents, preprocess
 from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "kjv_selection.jsonl.gz"
-_BUILD_VERSION = "1"  # bump when the build below changes what it writes
+_BUILD_VERSION = "2"  # bump when the build below changes what it writes
 
 
 def _key(*parts) -> str:

@@ -55,8 +55,9 @@ class PackedSequenceDataset(torch.utils.data.Dataset):
 
 def blend_schedule(weights: Sequence[float], n: int) -> np.ndarray:
     """Which dataset serves each of the first n samples: dataset j's k-th sample is placed at time
-    (k + 0.5) / w_j and samples are taken in time order, so every prefix follows the weights
-    within one sample per dataset."""
+    (k + 0.5) / w_j and samples are taken in time order, so in every prefix of length n each
+    dataset's count is within (1 + number of datasets) / 2 of w_j * n. Vectorized, unlike
+    Megatron's greedy loop, because n is the whole run's sample count."""
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
     times, owners = [], []

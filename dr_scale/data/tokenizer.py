@@ -63,7 +63,11 @@ def _sentences(texts: Iterable[str]) -> Iterator[str]:
 
 
 def train_tokenizer(texts: Iterable[str], out_prefix, vocab_size: int) -> Path:
-    """Train a byte-fallback BPE model on ``texts``; writes ``out_prefix``.model/.vocab."""
+    """Train a byte-fallback BPE model on ``texts``; writes ``out_prefix``.model/.vocab.
+
+    No normalization and no whitespace folding (as Llama's tokenizer): decode(encode(text)) gives
+    the text back, tabs and newlines included. The vocabulary holds the 256 byte pieces, so it
+    must be larger than 256 + the corpus' distinct characters."""
     out_prefix = Path(out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
     sentences = list(_sentences(texts))
@@ -73,7 +77,8 @@ def train_tokenizer(texts: Iterable[str], out_prefix, vocab_size: int) -> Path:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=iter(sentences), model_prefix=str(out_prefix),
             vocab_size=vocab_size, model_type="bpe", byte_fallback=True, split_digits=True,
-            character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            character_coverage=0.9995, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             max_sentence_length=1 << 16, num_threads=2, minloglevel=2)
     except RuntimeError as e:
         raise DrScaleError(f"{out_prefix}.model: tokenizer training failed: "

@@ -1,0 +1,78 @@
+"""`dr-scale`: the side jobs around pretraining.
+
+    dr-scale tokenizer  --input a.txt b.jsonl --out tok --vocab_size 8192
+    dr-scale preprocess --input a.jsonl --tokenizer tok.model --out data/corpus
+    dr-scale presets
+"""
+import argparse
+import sys
+
+from dr_scale.errors import DrScaleError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise DrScaleError(f"command line: {message} (see dr-scale {self.prog.split()[-1]} --help)")
+
+
+def cmd_tokenizer(a):
+    from dr_scale.data.preprocess import iter_documents
+    from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
+
+    model = train_tokenizer(iter_documents(a.input, a.json_key), a.out, a.vocab_size)
+    tok = Tokenizer(model)
+    print(f"wrote {model} (vocab {tok.vocab_size}, end-of-document id {tok.eod_id})")
+
+
+def cmd_preprocess(a):
+    from dr_scale.data.preprocess import preprocess
+    from dr_scale.data.tokenizer import Tokenizer
+
+    meta = preprocess(a.input, Tokenizer(a.tokenizer), a.out, a.json_key)
+    print(f"wrote {a.out}.bin/.idx: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
+
+
+def cmd_presets(a):
+    from dr_scale.config import load_config
+    from dr_scale.models import PRESETS, build_model, resolve_shape
+    from dr_scale.models.build import count_parameters, flops_per_token
+
+    print(f"{'preset':<12} {'arch':<6} {'params':>10} {'GFLOP/token @2048':>18}")
+    for name in PRESETS:
+        shape = resolve_shape(load_config(overrides=[f"model.preset={name}"]).model)
+        n = count_parameters(build_model(shape, device="meta"))
+        print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {flops_per_token(shape, 2048) / 1e9:>18.2f}")
+
+
+def build_parser():
+    p = _Parser(prog="dr-scale", description="dr_scale side jobs")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("tokenizer", help="train a sentencepiece BPE tokenizer on raw text")
+    t.add_argument("--input", nargs="+", required=True, help=".txt/.jsonl files (.gz too)")
+    t.add_argument("--out", required=True, help="output prefix (writes PREFIX.model)")
+    t.add_argument("--vocab_size", type=int, default=32000)
+    t.add_argument("--json_key", default="text")
+    t.set_defaults(fn=cmd_tokenizer)
+    pp = sub.add_parser("preprocess", help="tokenize text into a .bin/.idx dataset")
+    pp.add_argument("--input", nargs="+", required=True, help=".txt (one document a file) or "
+                    ".jsonl (one document a line) files, .gz too")
+    pp.add_argument("--tokenizer", required=True, help="sentencepiece .model")
+    pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin/.idx)")
+    pp.add_argument("--json_key", default="text")
+    pp.set_defaults(fn=cmd_preprocess)
+    pr = sub.add_parser("presets", help="list model presets with sizes")
+    pr.set_defaults(fn=cmd_presets)
+    return p
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+        args.fn(args)
+    except DrScaleError as e:
+        print(f"dr-scale: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

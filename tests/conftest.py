@@ -1,0 +1,42 @@
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PRETRAIN = ROOT / "launchers" / "pretrain.py"
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One cache of the bundled tokenizer + dataset for the whole session."""
+    path = tmp_path_factory.mktemp("dr_scale_cache")
+    from dr_scale.data.corpus import bundled_data
+
+    bundled_data(path, 4096)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, ranks: int, cache, timeout=600, check=True, launcher="deepspeed"):
+    """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks."""
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    if launcher == "deepspeed":
+        cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+               str(PRETRAIN), *map(str, args)]
+    else:
+        cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"launcher failed ({proc.returncode}):\n"
+                             + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
+    return proc

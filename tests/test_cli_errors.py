@@ -1,0 +1,86 @@
+"""Bad input at the command line: one line naming the file/key, exit status 2, no traceback,
+nothing already written damaged."""
+import hashlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, launch
+
+
+def errors_of(proc):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if "error:" in l]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--ds_config", "zero9.json"], "--ds_config zero9.json: file not found"),
+    ([], "command line: the following arguments are required: --ds_config"),
+    (["--ds_config", "zero3", "train.lr=fast"], "command line: train.lr: expected a number, got 'fast'"),
+    (["--ds_config", "zero3", "--config", "nowhere.yaml"], "nowhere.yaml: config file not found"),
+    (["--ds_config", "zero3", "--resume"], "--resume: needs --run_dir"),
+    (["--ds_config", "zero3", "train.micro_batch_size=3", "train.global_batch_size=8"],
+     "train.global_batch_size=8 is not a multiple of train.micro_batch_size=3 x data-parallel size 1 = 3"),
+    (["--ds_config", "zero3", "data.tokenizer=/nope/tok.model", "data.datasets=[{prefix: /nope/d}]"],
+     "/nope/tok.model: tokenizer model not found"),
+    (["--ds_config", "zero3", "data.seq_length=4096"],
+     "data.seq_length=4096 exceeds model.max_seq_length=1024"),
+])
+def test_pretrain_bad_input(args, pattern, cache_dir, tmp_path):
+    run_dir = [] if "--resume" in args else ["--run_dir", tmp_path / "run"]
+    proc = launch([*run_dir, *args], 1, cache_dir, launcher="python", check=False, timeout=300)
+    assert pattern in errors_of(proc)
+
+
+def test_existing_run_is_not_overwritten(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    before = hashlib.sha256((run / "metrics.jsonl").read_bytes()).hexdigest()
+    proc = launch(["--ds_config", "zero3", "--run_dir", run], 1, cache_dir, launcher="python",
+                  check=False, timeout=300)
+    assert "already holds checkpoints; pass --resume" in errors_of(proc)
+    assert hashlib.sha256((run / "metrics.jsonl").read_bytes()).hexdigest() == before
+
+
+def test_resume_without_checkpoint(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = launch(["--ds_config", "zero3", "--run_dir", run, "--resume"], 1, cache_dir,
+                  launcher="python", check=False, timeout=300)
+    assert "config.yaml: not found; --resume continues a run folder" in errors_of(proc)
+
+
+def dr_scale_cli(*args):
+    return subprocess.run([sys.executable, "-m", "dr_scale.cli", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_console_script_errors(tmp_path):
+    assert "/nope.model: tokenizer model not found" in errors_of(
+        dr_scale_cli("preprocess", "--input", "x.jsonl", "--tokenizer", "/nope.model", "--out", tmp_path / "o"))
+    assert "command line: the following arguments are required: --out" in errors_of(
+        dr_scale_cli("tokenizer", "--input", "x.txt"))
+    assert "missing.txt: input file not found" in errors_of(
+        dr_scale_cli("tokenizer", "--input", tmp_path / "missing.txt", "--out", tmp_path / "t"))
+
+
+def test_console_script_tokenizer_then_preprocess(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    out = dr_scale_cli("tokenizer", "--input", src, "--out", tmp_path / "tok", "--vocab_size", 300)
+    assert out.returncode == 0, out.stderr
+    out = dr_scale_cli("preprocess", "--input", src, "--tokenizer", tmp_path / "tok.model",
+                       "--out", tmp_path / "corpus")
+    assert out.returncode == 0, out.stderr
+    assert "wrote" in out.stdout and "1 documents" in out.stdout
+    from dr_scale.data.indexed import IndexedDataset
+    from dr_scale.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tmp_path / "tok.model")
+    ds = IndexedDataset(tmp_path / "corpus")
+    assert tok.decode(ds.document(0)[:-1]) == src.read_text()

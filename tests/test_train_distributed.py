@@ -1,0 +1,128 @@
+"""Real DeepSpeed engines on 2 CPU ranks over gloo, through the real launchers."""
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from dr_scale.config import load_config
+from tests.conftest import PRETRAIN, free_port, launch
+
+SHORT = ["data.seq_length=128", "train.max_steps=30", "train.warmup_steps=5",
+         "train.log_interval=5", "train.eval_interval=30", "train.save_interval=30",
+         "train.eval_samples=32", "logging.plot=false", "logging.tensorboard=false"]
+
+
+def records(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(run_dir):
+    return [r for r in records(run_dir) if "eval_loss" in r]
+
+
+def test_readme_main_job_on_two_ranks(cache_dir, tmp_path):
+    """The README's command with 2 ranks: held-out loss falls >= 40%, the run folder is complete."""
+    run = tmp_path / "run"
+    proc = launch(["--ds_config", "zero3.json", "--run_dir", run], 2, cache_dir, timeout=900)
+    assert "dr_scale: 2 rank(s)" in proc.stdout and "ZeRO-3, bf16" in proc.stdout
+    ev = evals(run)
+    assert [r["step"] for r in ev] == [0, 100, 200, 300, 400]
+    assert ev[-1]["eval_loss"] <= 0.6 * ev[0]["eval_loss"], ev
+    train = [r for r in records(run) if "loss" in r]
+    assert len(train) == 40 and train[-1]["step"] == 400
+    for r in train:
+        assert {"step", "loss", "lr", "tokens_per_s", "tflops", "mfu", "mem_peak_bytes"} <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["mem_peak_bytes"] > 2**20
+    # Everything needed to reproduce: resolved configs, versions, commit, layout, tokenizer.
+    snap, default = load_config(run / "config.yaml").to_dict(), load_config().to_dict()
+    assert snap["data"].pop("cache_dir") == str(cache_dir)  # resolved from ${env:DR_SCALE_CACHE}
+    default["data"].pop("cache_dir")
+    assert snap == default
+    ds = json.loads((run / "ds_config.json").read_text())
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"], ds["zero_optimization"]["stage"]) == (16, 8, 1, 3)
+    info = json.loads((run / "run.json").read_text())
+    assert info["world"]["world_size"] == 2 and info["packages"]["deepspeed"]
+    assert "commit" in info["git"]
+    assert (run / "tokenizer.model").stat().st_size > 1000
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000400"
+    import matplotlib.image
+
+    img = matplotlib.image.imread(run / "curves.png")
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("ds_config", ["zero0", "zero1", "zero2", "zero3_offload"])
+def test_every_zero_stage_trains(ds_config, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    launch(["--ds_config", ds_config, "--run_dir", run, *SHORT], 2, cache_dir)
+    ev = evals(run)
+    assert ev[-1]["eval_loss"] <= 0.75 * ev[0]["eval_loss"], ev
+
+
+def fp32_config(tmp_path, stage):
+    ds = json.loads((PRETRAIN.parent.parent / "ds_configs" / f"zero{stage}.json").read_text())
+    ds["bf16"] = {"enabled": False}
+    path = tmp_path / f"zero{stage}_fp32.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+RESUME = ["data.seq_length=64", "train.max_steps=12", "train.warmup_steps=3",
+          "train.log_interval=1", "train.eval_interval=6", "train.save_interval=6",
+          "train.eval_samples=16", "train.micro_batch_size=2", "train.global_batch_size=8",
+          "logging.plot=false", "logging.tensorboard=false"]
+
+
+@pytest.mark.parametrize("precision, stage", [("fp32", 3), ("bf16", 1)])
+def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tmp_path):
+    ds = str(fp32_config(tmp_path, stage)) if precision == "fp32" else f"zero{stage}"
+    full, split = tmp_path / "full", tmp_path / "split"
+    launch(["--ds_config", ds, "--run_dir", full, *RESUME], 2, cache_dir)
+    launch(["--ds_config", ds, "--run_dir", split, *RESUME, "train.stop_at_step=6"], 2, cache_dir)
+    assert [r["step"] for r in records(split) if "loss" in r] == list(range(1, 7))
+    proc = launch(["--ds_config", ds, "--run_dir", split, "--resume"], 2, cache_dir)
+    assert "resumed from" in proc.stdout and "at step 6 (48 samples consumed)" in proc.stdout
+    a = {r["step"]: r for r in records(full) if "loss" in r}
+    b = {r["step"]: r for r in records(split) if "loss" in r}
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in range(1, 13):
+        if precision == "fp32":
+            assert b[step]["loss"] == a[step]["loss"], step       # bitwise
+        else:
+            assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=4e-3), step
+        assert b[step]["lr"] == a[step]["lr"]
+        assert b[step]["consumed_tokens"] == a[step]["consumed_tokens"]
+    ea = [r["eval_loss"] for r in evals(full)]
+    eb = [r["eval_loss"] for r in evals(split)]
+    assert len(ea) == len(eb) == 3
+    if precision == "fp32":
+        assert ea == eb
+
+
+def test_torchrun_gives_the_same_losses_as_the_deepspeed_launcher(cache_dir, tmp_path):
+    args = ["--ds_config", "zero2", *SHORT, "train.max_steps=10", "train.log_interval=1",
+            "train.eval_interval=10", "train.save_interval=10"]
+    launch(["--run_dir", tmp_path / "ds", *args], 2, cache_dir)
+    import os
+
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
+    proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                           str(PRETRAIN), "--run_dir", str(tmp_path / "tr"), *args],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = [r["loss"] for r in records(tmp_path / "ds") if "loss" in r]
+    b = [r["loss"] for r in records(tmp_path / "tr") if "loss" in r]
+    assert len(a) == 10 and a == b
+
+
+def test_wandb_offline_and_missing_network_never_stop_a_run(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    env_args = ["logging.wandb=true", "logging.wandb_mode=offline", "train.max_steps=5",
+                "train.eval_interval=5", "train.save_interval=5"]
+    launch(["--ds_config", "zero1", "--run_dir", run, *SHORT, *env_args], 2, cache_dir)
+    assert list((run / "wandb").glob("offline-run-*"))
+    assert [r["step"] for r in records(run) if "loss" in r] == [5]
