@@ -11,7 +11,7 @@ from pathlib import Path
 from dr_scale.errors import DrScaleError
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
-         "[--run_dir DIR] [--resume] [dotted.key=value ...]")
+         "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,6 +25,8 @@ def parse_args(argv=None):
     p.add_argument("--config", help="experiment YAML; default: the embedded default")
     p.add_argument("--run_dir", help="run folder; default: runs/<date>-<time>")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
+                   help="save and exit after step N (the schedule still runs to train.max_steps)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
     return p.parse_args(argv)
@@ -118,8 +120,9 @@ def run(args):
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         files = resolve_files(cfg.data)
     t = cfg.train
-    stop = min(t.max_steps, t.stop_at_step or t.max_steps)
-    sources = build_sources(cfg.data, t.seed, train_samples=max(stop, t.max_steps) * layout["global"],
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise DrScaleError(f"--stop_at_step {args.stop_at_step}: expected a step >= 1")
+    sources = build_sources(cfg.data, t.seed, train_samples=t.max_steps * layout["global"],
                             eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
     shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)
     if cfg.data.seq_length > shape.max_seq_length:
@@ -176,7 +179,7 @@ def run(args):
                                            lr_scheduler=scheduler)
     callbacks = build_callbacks(cfg.callbacks)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
-                      peak, device, callbacks)
+                      peak, device, callbacks, stop_at_step=args.stop_at_step)
     if args.resume:
         trainer.resume()
     try:

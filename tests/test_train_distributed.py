@@ -82,7 +82,7 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
     ds = str(fp32_config(tmp_path, stage)) if precision == "fp32" else f"zero{stage}"
     full, split = tmp_path / "full", tmp_path / "split"
     launch(["--ds_config", ds, "--run_dir", full, *RESUME], 2, cache_dir)
-    launch(["--ds_config", ds, "--run_dir", split, *RESUME, "train.stop_at_step=6"], 2, cache_dir)
+    launch(["--ds_config", ds, "--run_dir", split, *RESUME, "--stop_at_step", 6], 2, cache_dir)
     assert [r["step"] for r in records(split) if "loss" in r] == list(range(1, 7))
     proc = launch(["--ds_config", ds, "--run_dir", split, "--resume"], 2, cache_dir)
     assert "resumed from" in proc.stdout and "at step 6 (48 samples consumed)" in proc.stdout

@@ -60,7 +60,6 @@ class TrainConfig(Section):
     eval_interval: int = field(100, min=1)
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
-    stop_at_step: Optional[int] = field(None, min=1, help="exit after this step; schedule unchanged")
 
 
 @dataclass

@@ -14,12 +14,13 @@ from dr_scale.train.metrics import peak_memory_bytes
 
 class Trainer:
     def __init__(self, engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger,
-                 flops_per_token, peak_flops, device, callbacks=()):
+                 flops_per_token, peak_flops, device, callbacks=(), stop_at_step=None):
         self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.run_dir, self.logger = Path(run_dir), logger
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.device = device
+        self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
         self.callbacks = CallbackList(callbacks)
         self.step = 0  # optimizer steps done
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
@@ -75,7 +76,7 @@ class Trainer:
     # -- training ------------------------------------------------------------------------------
     def fit(self):
         t = self.cfg.train
-        stop = min(t.max_steps, t.stop_at_step or t.max_steps)
+        stop = min(t.max_steps, self.stop_at_step or t.max_steps)
         self.callbacks.fire("on_train_start", self)
         if self.step == 0:
             self.evaluate()
