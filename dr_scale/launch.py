@@ -101,6 +101,7 @@ def run(args):
     dp_size, dp_rank = world, rank
     ds = dsc.fill(dsc.read_json(ds_path), cfg, dp_size, source=str(ds_path))
     layout = dsc.batch_layout(cfg.train, dp_size)
+    check_precision(ds, ds_path)
 
     if run_dir is None:
         run_dir = Path(cfg.run_dir or _broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
@@ -175,8 +176,7 @@ def run(args):
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds,
-                                           lr_scheduler=scheduler)
+    engine = _initialize_engine(deepspeed, model, groups, ds, scheduler, ds_path)
     callbacks = build_callbacks(cfg.callbacks)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
                       peak, device, callbacks, stop_at_step=args.stop_at_step)
@@ -192,6 +192,58 @@ def run(args):
         logger.info(f"wrote {plot_curves(run_dir)}")
     dist.barrier()
     return run_dir
+
+
+def check_precision(ds: dict, ds_path):
+    from deepspeed.accelerator import get_accelerator
+
+    from dr_scale import ds_config as dsc
+
+    acc = get_accelerator()
+    precision = dsc.precision(ds)
+    supported = {"bf16": acc.is_bf16_supported, "fp16": acc.is_fp16_supported}
+    if precision in supported and not supported[precision]():
+        alternative = "a bf16 config such as zero2" if precision == "fp16" else "an fp16 config"
+        raise DrScaleError(f"{ds_path}: {precision}.enabled: {precision} is not supported on the "
+                           f"{acc.device_name()} accelerator here; use {alternative}")
+
+
+def _dotted_path(ds: dict, loc) -> str:
+    """DeepSpeed validates sections separately, so its error path lacks the section: find it."""
+    def search(node, prefix):
+        if not isinstance(node, dict):
+            return None
+        probe = node
+        for part in loc:
+            if not isinstance(probe, dict) or part not in probe:
+                probe = None
+                break
+            probe = probe[part]
+        if probe is not None:
+            return prefix + ".".join(loc)
+        for k, v in node.items():
+            hit = search(v, f"{prefix}{k}.")
+            if hit:
+                return hit
+        return None
+
+    return search(ds, "") or ".".join(loc)
+
+
+def _initialize_engine(deepspeed, model, groups, ds, scheduler, ds_path):
+    """deepspeed.initialize, with DeepSpeed's own config complaints turned into one line."""
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds,
+                                               lr_scheduler=scheduler)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        errors = getattr(e, "errors", None)
+        if callable(errors) and errors():
+            first = errors()[0]
+            where = _dotted_path(ds, [str(x) for x in first.get("loc", ())])
+            raise DrScaleError(f"{ds_path}: {where}: {first.get('msg')} (DeepSpeed)") from None
+        raise DrScaleError(f"{ds_path}: DeepSpeed rejected the config: "
+                           f"{str(e).splitlines()[0]}") from None
+    return engine
 
 
 def main(argv=None):

@@ -84,3 +84,15 @@ def test_console_script_tokenizer_then_preprocess(tmp_path):
     tok = Tokenizer(tmp_path / "tok.model")
     ds = IndexedDataset(tmp_path / "corpus")
     assert tok.decode(ds.document(0)[:-1]) == src.read_text()
+
+
+def test_deepspeed_rejections_become_one_line(cache_dir, tmp_path):
+    proc = launch(["--ds_config", "zero2_fp16", "--run_dir", tmp_path / "a"], 1, cache_dir,
+                  launcher="python", check=False, timeout=300)
+    assert "zero2_fp16.json: fp16.enabled: fp16 is not supported on the cpu accelerator" in errors_of(proc)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2, "bogus_key": 1}, '
+                   '"optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": true}}}')
+    proc = launch(["--ds_config", bad, "--run_dir", tmp_path / "b"], 1, cache_dir,
+                  launcher="python", check=False, timeout=300)
+    assert "bad.json: zero_optimization.bogus_key: Extra inputs are not permitted" in errors_of(proc)

@@ -126,3 +126,20 @@ def test_wandb_offline_and_missing_network_never_stop_a_run(cache_dir, tmp_path)
     launch(["--ds_config", "zero1", "--run_dir", run, *SHORT, *env_args], 2, cache_dir)
     assert list((run / "wandb").glob("offline-run-*"))
     assert [r["step"] for r in records(run) if "loss" in r] == [5]
+
+
+def test_accumulation_and_data_parallel_split_give_the_same_losses(cache_dir, tmp_path):
+    """A global batch of 8 as 1 rank x 8, 1 rank x 4 x 2 accumulation, 2 ranks x 4: same samples,
+    same gradients, so the same losses (fp32, within summation-order rounding)."""
+    ds = str(fp32_config(tmp_path, 2))
+    common = ["--ds_config", ds, *RESUME, "train.max_steps=6", "train.global_batch_size=8"]
+    layouts = {"1x8": (1, 8), "1x4x2": (1, 4), "2x4": (2, 4)}
+    losses = {}
+    for name, (ranks, micro) in layouts.items():
+        run = tmp_path / name
+        launch(["--run_dir", run, *common, f"train.micro_batch_size={micro}"], ranks, cache_dir)
+        losses[name] = [r["loss"] for r in records(run) if "loss" in r]
+    assert len(losses["1x8"]) == 6
+    for name in ("1x4x2", "2x4"):
+        assert losses[name] == pytest.approx(losses["1x8"], rel=1e-5), name
+    assert losses["1x8"][-1] < losses["1x8"][0]
