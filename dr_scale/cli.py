@@ -2,6 +2,7 @@
 
     dr-scale tokenizer  --input a.txt b.jsonl --out tok --vocab_size 8192
     dr-scale preprocess --input a.jsonl --tokenizer tok.model --out data/corpus
+    dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema]
     dr-scale presets
 """
 import argparse
@@ -32,6 +33,32 @@ def cmd_preprocess(a):
     print(f"wrote {a.out}.bin/.idx: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
 
 
+def cmd_export(a):
+    from pathlib import Path
+
+    from dr_scale.export.consolidate import consolidated_state_dict, run_shape
+    from dr_scale.export.hf_llama import write_folder
+    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.train.checkpoint import find_tag
+
+    run_dir = Path(a.run_dir)
+    shape = run_shape(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    tag = find_tag(ckpt_dir, a.step)
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise DrScaleError(f"{out}: exists and is not empty; choose a new --out")
+    if a.ema:
+        from dr_scale.train.checkpoint import load_ema_state
+
+        state = load_ema_state(ckpt_dir / tag)
+    else:
+        state = consolidated_state_dict(ckpt_dir, tag, shape)
+    tok = Tokenizer(run_dir / "tokenizer.model")
+    write_folder(out, state, shape, tok.path, tok.eod_id)
+    print(f"wrote {out} (Hugging Face LlamaForCausalLM) from {ckpt_dir / tag}")
+
+
 def cmd_presets(a):
     from dr_scale.config import load_config
     from dr_scale.models import PRESETS, build_model, resolve_shape
@@ -60,6 +87,12 @@ def build_parser():
     pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin/.idx)")
     pp.add_argument("--json_key", default="text")
     pp.set_defaults(fn=cmd_preprocess)
+    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama folder")
+    ex.add_argument("--run_dir", required=True)
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
+    ex.add_argument("--ema", action="store_true", help="export the EMA weights")
+    ex.set_defaults(fn=cmd_export)
     pr = sub.add_parser("presets", help="list model presets with sizes")
     pr.set_defaults(fn=cmd_presets)
     return p

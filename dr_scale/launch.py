@@ -8,6 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from dr_scale import ds_config as dsc
+from dr_scale.config import load_config
+from dr_scale.config.snapshot import write_snapshot
 from dr_scale.errors import DrScaleError
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
@@ -52,16 +58,12 @@ def init_distributed():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
                       os.environ.get("WORLD_SIZE", "1"))
     if acc.device_name() == "cpu":
-        import torch
-
         # Ranks share the cores: more threads than cores per rank makes gloo steps erratic.
         threads = int(os.environ.get("DR_SCALE_THREADS_PER_RANK", 0)) or \
             max(1, (os.cpu_count() or 1) // max(1, local_world))
         torch.set_num_threads(threads)
         device = torch.device("cpu")
     else:
-        import torch
-
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
@@ -69,20 +71,13 @@ def init_distributed():
 
 
 def _broadcast(obj):
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def run(args):
-    import torch
-    import torch.distributed as dist
-
-    from dr_scale import ds_config as dsc
-    from dr_scale.config import load_config
-
+def load_run_config(args):
+    """(config, run folder or None): --resume without --config reads the run's own config."""
     run_dir = Path(args.run_dir) if args.run_dir else None
     config_path = args.config
     if args.resume:
@@ -93,7 +88,69 @@ def run(args):
             if not config_path.is_file():
                 raise DrScaleError(f"{config_path}: not found; --resume continues a run folder "
                                    "made by an earlier run")
-    cfg = load_config(config_path, args.overrides)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise DrScaleError(f"--stop_at_step {args.stop_at_step}: expected a step >= 1")
+    return load_config(config_path, args.overrides), run_dir
+
+
+def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
+    if run_dir is None:  # one timestamp for all ranks
+        run_dir = Path(cfg.run_dir or _broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
+    run_dir = run_dir.resolve()
+    if not resume and (run_dir / "checkpoints").exists():
+        raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
+                           "or choose another --run_dir")
+    return run_dir
+
+
+def prepare_data(cfg, layout):
+    """Tokenizer + train/held-out streams; local rank 0 builds the first-use cache alone."""
+    from dr_scale.data.loader import build_sources, resolve_files
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    files = resolve_files(cfg.data) if local_rank == 0 else None
+    dist.barrier()
+    if files is None:
+        files = resolve_files(cfg.data)
+    t = cfg.train
+    return build_sources(cfg.data, t.seed, train_samples=t.max_steps * layout["global"],
+                         eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
+
+
+def check_same_tokenizer(run_dir: Path, tokenizer):
+    from dr_scale.data.tokenizer import file_sha256
+
+    used = run_dir / "tokenizer.model"
+    if used.is_file() and file_sha256(used) != tokenizer.sha256:
+        raise DrScaleError(f"{used}: the run was trained with this tokenizer, but the resumed "
+                           f"config gives {tokenizer.path}; token ids would change meaning")
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on vectors (norm weights, biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def run(args):
+    import deepspeed
+
+    from dr_scale.models import build_model, resolve_shape
+    from dr_scale.models.build import count_parameters, flops_per_token
+    from dr_scale.train.callbacks import build_callbacks
+    from dr_scale.train.metrics import MetricsLogger
+    from dr_scale.train.peak_flops import peak_flops
+    from dr_scale.train.schedule import build_scheduler
+    from dr_scale.train.trainer import Trainer
+
+    cfg, run_dir = load_run_config(args)
+    init_state = None
+    if cfg.model.init_from:
+        from dr_scale.export.hf_llama import apply_init_from
+
+        init_state = apply_init_from(cfg)  # shape and tokenizer come from the folder
     ds_path = dsc.resolve_path(args.ds_config)  # a bad name fails before the slow start below
 
     device, local_world = init_distributed()
@@ -102,82 +159,63 @@ def run(args):
     ds = dsc.fill(dsc.read_json(ds_path), cfg, dp_size, source=str(ds_path))
     layout = dsc.batch_layout(cfg.train, dp_size)
     check_precision(ds, ds_path)
+    run_dir = choose_run_dir(run_dir, cfg, args.resume)
+    resume_step = None
+    if args.resume:
+        from dr_scale.train.checkpoint import find_tag, step_of
 
-    if run_dir is None:
-        run_dir = Path(cfg.run_dir or _broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
-    run_dir = run_dir.resolve()
-    if not args.resume and (run_dir / "checkpoints").exists():
-        raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
-                           "or choose another --run_dir")
+        resume_step = step_of(find_tag(run_dir / "checkpoints"))
+    callbacks = build_callbacks(cfg.callbacks)
 
-    from dr_scale.data.loader import build_sources, resolve_files
-    from dr_scale.models import build_model, resolve_shape
-    from dr_scale.models.build import count_parameters, flops_per_token
-
-    # Local rank 0 builds the cached tokenizer and dataset (first use); the others wait.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        files = resolve_files(cfg.data)
-    dist.barrier()
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        files = resolve_files(cfg.data)
-    t = cfg.train
-    if args.stop_at_step is not None and args.stop_at_step < 1:
-        raise DrScaleError(f"--stop_at_step {args.stop_at_step}: expected a step >= 1")
-    sources = build_sources(cfg.data, t.seed, train_samples=t.max_steps * layout["global"],
-                            eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
+    sources = prepare_data(cfg, layout)
+    if args.resume:
+        check_same_tokenizer(run_dir, sources.tokenizer)
     shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)
     if cfg.data.seq_length > shape.max_seq_length:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
 
-    from dr_scale.train.callbacks import build_callbacks
-    from dr_scale.train.metrics import MetricsLogger
-    from dr_scale.train.peak_flops import peak_flops
-    from dr_scale.train.schedule import build_scheduler
-    from dr_scale.train.trainer import Trainer
-    from dr_scale import ds_config as _ds
-
+    t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(shape)
+    if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
+        from dr_scale.export.hf_llama import load_into
+
+        load_into(model, init_state, cfg.model.init_from)
+    del init_state
     n_params = count_parameters(model)
     fpt = flops_per_token(shape, cfg.data.seq_length)
-    precision = _ds.precision(ds)
+    precision = dsc.precision(ds)
     peak, peak_source = peak_flops(precision, device.type,
                                    torch.cuda.get_device_name() if device.type == "cuda" else "")
 
     if rank == 0:
-        from dr_scale.config.snapshot import write_snapshot
-
         snap_dir = run_dir / "resumes" / time.strftime("%Y%m%d-%H%M%S") if args.resume else run_dir
         write_snapshot(snap_dir, cfg, ds, {
             "world": {"world_size": world, "ranks_per_node": local_world, "data_parallel": dp_size,
                       "device": device.type, "backend": dist.get_backend()},
             "model": {"shape": shape.__dict__, "parameters": n_params, "flops_per_token": fpt},
-            "data": {"tokenizer": str(files[0]), "tokenizer_sha256": sources.tokenizer.sha256,
-                     "datasets": [{"prefix": str(p), "weight": w} for p, w in files[1]]},
+            "data": {"tokenizer": str(sources.tokenizer.path),
+                     "tokenizer_sha256": sources.tokenizer.sha256,
+                     "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
+                                  for d, w in zip(sources.train.datasets, sources.train.weights)]},
             "batch": layout, "peak_flops": {"value": peak, "source": peak_source}})
-        shutil.copyfile(files[0], run_dir / "tokenizer.model")
+        if not args.resume:
+            shutil.copyfile(sources.tokenizer.path, run_dir / "tokenizer.model")
     dist.barrier()
 
     logger = MetricsLogger(run_dir, cfg.logging, t.max_steps, enabled=rank == 0,
-                           run_name=run_dir.name)
+                           run_name=run_dir.name, resume_step=resume_step)
     logger.info(f"dr_scale: {world} rank(s) ({local_world} on this node), {device.type}, "
-                f"{dist.get_backend()}, ZeRO-{_ds.zero_stage(ds)}, {precision}; model "
+                f"{dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, {precision}; model "
                 f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
                 f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} ranks = "
                 f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
 
-    import deepspeed
-
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 else decay).append(p)  # no weight decay on norms and biases
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
-    engine = _initialize_engine(deepspeed, model, groups, ds, scheduler, ds_path)
-    callbacks = build_callbacks(cfg.callbacks)
+    engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
+                                scheduler, ds_path)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
                       peak, device, callbacks, stop_at_step=args.stop_at_step)
     if args.resume:
@@ -196,8 +234,6 @@ def run(args):
 
 def check_precision(ds: dict, ds_path):
     from deepspeed.accelerator import get_accelerator
-
-    from dr_scale import ds_config as dsc
 
     acc = get_accelerator()
     precision = dsc.precision(ds)

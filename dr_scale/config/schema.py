@@ -24,6 +24,7 @@ class ModelConfig(Section):
     dropout: float = field(0.0, min=0.0, max=1.0)
     init_std: float = field(0.02, min=0.0)
     pad_vocab_multiple: int = field(64, min=1)
+    init_from: Optional[str] = field(None, help="Hugging Face Llama folder to start from")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class TrainConfig(Section):
     eval_interval: int = field(100, min=1)
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
+    keep_checkpoints: int = field(3, min=0, help="keep the newest K checkpoints; 0 keeps all")
 
 
 @dataclass

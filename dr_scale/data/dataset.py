@@ -78,7 +78,7 @@ class SampleStream(torch.utils.data.Dataset):
 
     def __init__(self, datasets: List[PackedSequenceDataset], weights: Sequence[float],
                  seed: int, length: int):
-        self.datasets, self.seed, self.length = datasets, seed, length
+        self.datasets, self.weights, self.seed, self.length = datasets, list(weights), seed, length
         self.owner = blend_schedule(weights, length)
         self.local = np.zeros(length, dtype=np.int64)  # k-th pick of its dataset
         for j in range(len(datasets)):

@@ -31,6 +31,12 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def weights_signature(self) -> dict:
+        """The fields that decide the shape of the weights (a checkpoint must match them)."""
+        keys = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "ffn_hidden_size", "vocab_size", "tie_embeddings")
+        return {k: getattr(self, k) for k in keys}
+
 
 def pad_vocab(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -1,28 +1,47 @@
-"""Checkpoints: DeepSpeed's files (model, optimizer, scheduler; ZeRO shards) plus our own state
-per rank (step, data position, RNG states, callbacks) in a file loaded with weights_only."""
+"""Checkpoints that survive a crash at any moment.
+
+A checkpoint is written into checkpoints/.incoming/<tag>/ (DeepSpeed's files plus our state per
+rank), fsynced, renamed to checkpoints/<tag>/, and only then named in checkpoints/latest (written
+to a temporary file and renamed). A half-written checkpoint is therefore never the latest one;
+leftovers in .incoming are cleared on resume. Our state (step, data position, RNG, callbacks)
+loads with weights_only=True: plain tensors and numbers, no code.
+"""
+import os
 import random
+import re
+import shutil
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from dr_scale.errors import DrScaleError
 
 STATE_FILE = "dr_scale_state_rank{rank}.pt"
+STAGING = ".incoming"
+LATEST = "latest"
+_TAG = re.compile(r"^step_(\d{8})$")
 
 
 def tag_for(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(tag: str) -> int:
+    m = _TAG.match(tag)
+    if not m:
+        raise DrScaleError(f"checkpoint tag {tag!r}: expected step_NNNNNNNN")
+    return int(m.group(1))
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-        "python": torch.tensor(random.getstate()[1], dtype=torch.int64),
-    }
+    return {"torch": torch.get_rng_state(),
+            "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "numpy_pos": int(np_state[2]),
+            "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
 
 
 def set_rng_state(state: dict):
@@ -32,38 +51,139 @@ def set_rng_state(state: dict):
     random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int) -> Path:
-    tag = tag_for(step)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"dr_scale_step": step})
-    path = Path(ckpt_dir) / tag
-    torch.save(state, path / STATE_FILE.format(rank=rank))
-    torch.distributed.barrier()
-    return path
+def _fsync_file(path: Path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
-def latest_tag(ckpt_dir: Path):
-    latest = Path(ckpt_dir) / "latest"
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def complete_tags(ckpt_dir: Path):
+    """Tags of complete checkpoints, oldest first (staging folders never match the pattern)."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and _TAG.match(p.name))
+
+
+def save(engine, ckpt_dir: Path, step: int, state: dict, keep_last: int = 0) -> Path:
+    ckpt_dir = Path(ckpt_dir)
+    tag, rank = tag_for(step), dist.get_rank()
+    staging = ckpt_dir / STAGING
+    engine.save_checkpoint(str(staging), tag=tag, client_state={"dr_scale_step": step},
+                           save_latest=False)
+    state_path = staging / tag / STATE_FILE.format(rank=rank)
+    torch.save(state, state_path)
+    _fsync_file(state_path)
+    dist.barrier()  # every rank's files are written
+    final = ckpt_dir / tag
+    if rank == 0:
+        for f in (staging / tag).rglob("*"):
+            if f.is_file():
+                _fsync_file(f)
+        if final.exists():  # the same step saved again after a resume: replace it whole
+            shutil.rmtree(final)
+        os.rename(staging / tag, final)
+        for script in staging.glob("*.py"):  # DeepSpeed's zero_to_fp32.py and friends
+            os.replace(script, ckpt_dir / script.name)
+        try:
+            staging.rmdir()  # gone between saves; it exists only while one is being written
+        except OSError:
+            pass
+        _fsync_dir(ckpt_dir)
+        _write_atomic(ckpt_dir / LATEST, tag + "\n")
+        if keep_last > 0:
+            for old in complete_tags(ckpt_dir)[:-keep_last]:
+                if old != tag:
+                    shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def latest_tag(ckpt_dir: Path) -> Optional[str]:
+    latest = Path(ckpt_dir) / LATEST
     if not latest.is_file():
         return None
-    return latest.read_text().strip()
+    tag = latest.read_text().strip()
+    step_of(tag)
+    return tag
 
 
-def load(engine, ckpt_dir: Path, rank: int):
-    """Load the latest checkpoint into ``engine``; returns (our state dict, path)."""
+def find_tag(ckpt_dir: Path, step: Optional[int] = None) -> str:
+    """The latest complete checkpoint, or the one of ``step``."""
     ckpt_dir = Path(ckpt_dir)
+    tags = complete_tags(ckpt_dir)
+    if step is not None:
+        if tag_for(step) not in tags:
+            have = ", ".join(str(step_of(t)) for t in tags) or "none"
+            raise DrScaleError(f"{ckpt_dir}: step {step}: no such checkpoint; have: {have}")
+        return tag_for(step)
     tag = latest_tag(ckpt_dir)
     if tag is None:
-        raise DrScaleError(f"{ckpt_dir}: --resume found no checkpoint (no 'latest' file)")
+        raise DrScaleError(f"{ckpt_dir}: no checkpoint (no '{LATEST}' file)")
+    if tag not in tags:
+        raise DrScaleError(f"{ckpt_dir / LATEST}: names {tag}, which is missing")
+    return tag
+
+
+def check_world(tag_dir: Path, world_size: int):
+    """A checkpoint written by another number of ranks must be resharded first."""
+    written = len(list(tag_dir.glob(STATE_FILE.format(rank="*"))))
+    if written == 0:
+        raise DrScaleError(f"{tag_dir}: not a dr_scale checkpoint (no {STATE_FILE.format(rank=0)})")
+    if written != world_size:
+        raise DrScaleError(f"{tag_dir}: written by {written} rank(s), this run has {world_size}; "
+                           "reshard it first with `dr-scale reshard`")
+
+
+def load(engine, ckpt_dir: Path, expected_model: dict):
+    """Load the latest checkpoint into ``engine``; returns (our state dict, path)."""
+    ckpt_dir = Path(ckpt_dir)
+    rank = dist.get_rank()
+    tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
+    check_world(path, dist.get_world_size())
     state_path = path / STATE_FILE.format(rank=rank)
-    if not state_path.is_file():
-        raise DrScaleError(f"{state_path}: missing; the checkpoint in {path} was not written "
-                           "completely or by this number of ranks")
-    load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    if load_path is None:
-        raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
     try:
         state = torch.load(state_path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise DrScaleError(f"{state_path}: unreadable trainer state ({type(e).__name__})") from None
+    written_for = state.get("model")
+    if written_for and written_for != expected_model:
+        diff = [f"{k}={written_for.get(k)} (this run: {v})" for k, v in expected_model.items()
+                if written_for.get(k) != v]
+        raise DrScaleError(f"{path}: checkpoint of another model shape: {', '.join(diff[:4])}")
+    if rank == 0:
+        shutil.rmtree(ckpt_dir / STAGING, ignore_errors=True)  # leftovers of a crashed save
+    try:
+        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a bad file
+        raise DrScaleError(f"{path}: DeepSpeed could not load it ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    if load_path is None:
+        raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
     return state, path
+
+
+def load_ema_state(tag_dir: Path) -> dict:
+    """EMA weights saved beside a checkpoint (callbacks.ema)."""
+    path = Path(tag_dir) / "ema.pt"
+    if not path.is_file():
+        raise DrScaleError(f"{path}: not found; this run kept no EMA weights "
+                           "(callbacks.ema.enabled was off)")
+    return torch.load(path, map_location="cpu", weights_only=True)

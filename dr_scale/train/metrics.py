@@ -36,28 +36,39 @@ def console_line(rec: dict, max_steps: int) -> str:
 class MetricsLogger:
     """Only rank 0 writes; other ranks hold a disabled logger."""
 
-    def __init__(self, run_dir, logging_cfg, max_steps: int, enabled: bool, run_name: str = ""):
+    def __init__(self, run_dir, logging_cfg, max_steps: int, enabled: bool, run_name: str = "",
+                 resume_step=None):
         self.enabled, self.max_steps, self.cfg = enabled, max_steps, logging_cfg
         self.jsonl = self.tb = self.wandb = None
         if not enabled:
             return
-        run_dir = Path(run_dir)
-        if logging_cfg.jsonl:
+        self.run_dir, self.resume_step, self.run_name = Path(run_dir), resume_step, run_name
+        self._opened = False
+
+    def _open(self):
+        """Sinks open at the first record, so a resume that fails before training writes
+        nothing into the run folder."""
+        self._opened = True
+        cfg, run_dir, resume_step = self.cfg, self.run_dir, self.resume_step
+        if cfg.jsonl:
+            if resume_step is not None:
+                set_aside_records_after(run_dir, resume_step)
             self.jsonl = open(run_dir / "metrics.jsonl", "a")
-        if logging_cfg.tensorboard:
+        if cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                # purge_step drops events logged after the checkpoint by the interrupted run
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"),
+                                        purge_step=None if resume_step is None else resume_step + 1)
             except ImportError as e:
                 self.note(f"TensorBoard logging off ({e}); pip install tensorboard")
-        if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
+        if cfg.wandb and cfg.wandb_mode != "disabled":
             try:
                 import wandb
 
-                self.wandb = wandb.init(project=logging_cfg.wandb_project, name=run_name,
-                                        dir=str(run_dir), mode=logging_cfg.wandb_mode,
-                                        resume="allow")
+                self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_name,
+                                        dir=str(run_dir), mode=cfg.wandb_mode, resume="allow")
             except Exception as e:  # noqa: BLE001 - any wandb failure must not kill the run
                 self.note(f"wandb logging off ({type(e).__name__}: {e})")
 
@@ -72,6 +83,8 @@ class MetricsLogger:
     def log(self, rec: dict):
         if not self.enabled:
             return
+        if not self._opened:
+            self._open()
         if self.cfg.console:
             print(console_line(rec, self.max_steps), flush=True)
         if self.jsonl:
@@ -99,6 +112,24 @@ class MetricsLogger:
                 self.wandb.finish()
             except Exception:  # noqa: BLE001
                 pass
+
+
+def set_aside_records_after(run_dir: Path, step: int):
+    """On resume: records the interrupted run logged after its last checkpoint are re-logged by
+    the resumed run; move them to metrics.superseded.jsonl so each step appears once."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (drop if json.loads(line).get("step", 0) > step else keep).append(line)
+    if drop:
+        with open(run_dir / "metrics.superseded.jsonl", "a") as f:
+            f.write("".join(l + "\n" for l in drop))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        os.replace(tmp, path)
 
 
 def read_metrics(path) -> list:

@@ -24,6 +24,7 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)
         self.step = 0  # optimizer steps done
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
+        self.model_signature = engine.module.shape.weights_signature()
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
@@ -34,17 +35,18 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.step * self.layout["global"],
-                "rng": checkpoint.rng_state(),
+                "model": self.model_signature, "rng": checkpoint.rng_state(),
                 "callbacks": [cb.state_dict() for cb in self.callbacks.callbacks]}
 
     def save_checkpoint(self):
         path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
-                               self.state_dict(), dist.get_rank())
+                               self.state_dict(), self.cfg.train.keep_checkpoints)
         self.logger.info(f"saved checkpoint {path}")
         self.callbacks.fire("on_checkpoint", self, self.step, path)
 
     def resume(self):
-        state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints", dist.get_rank())
+        state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
+                                      self.model_signature)
         self.step = int(state["step"])
         checkpoint.set_rng_state(state["rng"])
         for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):

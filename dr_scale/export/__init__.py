@@ -1,0 +1,1 @@
+"""Moving weights between dr_scale checkpoints and Hugging Face folders."""

@@ -1,0 +1,150 @@
+"""Hugging Face Llama folders <-> the Llama-style decoder.
+
+Our parameter names are LlamaForCausalLM's, so weights copy across unchanged; only the config is
+translated. Rotary embeddings use the same half-split layout, so no q/k permutation is needed.
+"""
+import json
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+from dr_scale.errors import DrScaleError
+from dr_scale.models.build import ModelShape
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def hf_config(shape: ModelShape, eod_id: int) -> dict:
+    if shape.arch != "llama":
+        raise DrScaleError(f"export: model arch '{shape.arch}' has no Hugging Face Llama form; "
+                           "only the Llama-style decoder exports")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": shape.max_seq_length, "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "tie_word_embeddings": shape.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": shape.init_std, "bos_token_id": 1, "eos_token_id": eod_id,
+        "torch_dtype": "float32", "dtype": "float32",
+    }
+
+
+def shape_from_hf(config: dict, source: str) -> dict:
+    """Model fields (for the `model:` config section) from a Hugging Face config.json."""
+    if config.get("model_type") != "llama":
+        raise DrScaleError(f"{source}: model_type is {config.get('model_type')!r}, expected 'llama'")
+    try:
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise DrScaleError(f"{source}: rope scaling {rope!r} is not supported")
+        heads = config["num_attention_heads"]
+        if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+            raise DrScaleError(f"{source}: head_dim x heads != hidden_size is not supported")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise DrScaleError(f"{source}: attention or MLP biases are not supported")
+        return dict(arch="llama", hidden_size=config["hidden_size"],
+                    num_layers=config["num_hidden_layers"], num_heads=heads,
+                    num_kv_heads=config.get("num_key_value_heads", heads),
+                    ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+                    max_seq_length=config.get("max_position_embeddings", 2048),
+                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                    norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta))
+    except KeyError as e:
+        raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
+
+
+def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, tokenizer_model,
+                 eod_id: int, dtype=torch.float32):
+    """config.json, model.safetensors (tied head stored once) and the sentencepiece tokenizer."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    if shape.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    cfg = hf_config(shape, eod_id)
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+    write_tokenizer(out, tokenizer_model, eod_id)
+
+
+def write_tokenizer(out: Path, tokenizer_model, eod_id: int):
+    """The sentencepiece model, and transformers' own tokenizer files converted from it."""
+    import shutil
+
+    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    from transformers import LlamaTokenizer
+
+    tok = LlamaTokenizer(vocab_file=str(out / "tokenizer.model"), add_bos_token=False,
+                         add_eos_token=False, legacy=False)
+    tok.save_pretrained(str(out))
+
+
+def read_folder(folder) -> tuple:
+    """(model fields, state dict) from a Hugging Face Llama folder (safetensors)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path = folder / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise DrScaleError(f"{cfg_path}: not found (model.init_from expects a Hugging Face folder)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise DrScaleError(f"{cfg_path}: JSON syntax error at line {e.lineno}: {e.msg}") from None
+    fields = shape_from_hf(config, str(cfg_path))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DrScaleError(f"{folder}: no .safetensors weights (only safetensors are read, since "
+                           "pickled .bin files can execute code)")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
+            raise DrScaleError(f"{f}: unreadable safetensors file ({type(e).__name__})") from None
+    return fields, state
+
+
+def apply_init_from(cfg):
+    """For `model.init_from`: take the shape from the folder's config.json (a field set in the
+    YAML must agree) and its tokenizer when data.tokenizer is unset. Returns the weights."""
+    folder = Path(cfg.model.init_from).expanduser()
+    fields, state = read_folder(folder)
+    for key, value in fields.items():
+        mine = getattr(cfg.model, key)
+        if mine is None:
+            setattr(cfg.model, key, value)
+        elif mine != value:
+            raise DrScaleError(f"model.{key}={mine} disagrees with {folder / CONFIG_FILE} "
+                               f"({value}); remove it from the config or pick another folder")
+    if cfg.data.tokenizer is None and (folder / "tokenizer.model").is_file():
+        cfg.data.tokenizer = str(folder / "tokenizer.model")
+    return state
+
+
+def load_into(model, state: Dict[str, torch.Tensor], source: str):
+    """Copy HF weights into our model; a tied head may be absent from the file."""
+    own = model.state_dict()
+    if getattr(model.shape, "tie_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        own.pop("lm_head.weight", None)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise DrScaleError(f"{source}: weights do not fit the model (missing: "
+                           f"{', '.join(missing[:3]) or 'none'}; unexpected: "
+                           f"{', '.join(unexpected[:3]) or 'none'})")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise DrScaleError(f"{source}: {k} has shape {tuple(v.shape)}, the model expects "
+                               f"{tuple(own[k].shape)}")
+    model.load_state_dict(state, strict=False)

@@ -1,0 +1,112 @@
+"""Hugging Face export and import: logits against `transformers`, and a round trip through a run."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, launch
+
+SHORT = ["data.seq_length=64", "train.max_steps=8", "train.warmup_steps=2",
+         "train.log_interval=4", "train.eval_interval=8", "train.save_interval=8",
+         "train.eval_samples=16", "logging.plot=false", "logging.tensorboard=false"]
+
+
+def export(run_dir, out, *extra):
+    return subprocess.run([sys.executable, "-m", "dr_scale.cli", "export", "--run_dir",
+                           str(run_dir), "--out", str(out), *extra],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def trained_run(cache_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("export") / "run"
+    launch(["--ds_config", "zero3", "--run_dir", run, *SHORT, "model.tie_embeddings=false"], 2,
+           cache_dir)
+    return run
+
+
+def ours_from_run(run):
+    from dr_scale.export.consolidate import consolidated_state_dict, run_shape
+    from dr_scale.models import build_model
+
+    shape = run_shape(run)
+    model = build_model(shape)
+    state = consolidated_state_dict(run / "checkpoints", "step_00000008", shape)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    out = tmp_path / "hf"
+    proc = export(trained_run, out)
+    assert proc.returncode == 0, proc.stderr
+    hf = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ours = ours_from_run(trained_run)
+    ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), hf(ids).logits
+    assert (a - b).abs().max().item() < 1e-4  # fp32 both; attention kernels differ in order
+    # The tokenizer transformers loads gives the ids ours gives.
+    from dr_scale.data.tokenizer import Tokenizer
+
+    text = "And God said, Let there be light: and there was light.\nNew line\tand tab."
+    assert AutoTokenizer.from_pretrained(str(out)).encode(text, add_special_tokens=False) == \
+        Tokenizer(trained_run / "tokenizer.model").encode(text)
+
+
+def test_import_of_a_transformers_llama_matches_its_logits(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dr_scale.export.hf_llama import read_folder
+    from dr_scale.models import build_model
+    from dr_scale.models.build import ModelShape
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(str(tmp_path / "hf"))
+    fields, state = read_folder(tmp_path / "hf")
+    ours = build_model(ModelShape(**fields))
+    ours.load_state_dict(state)
+    ids = torch.randint(0, 512, (2, 40))
+    with torch.no_grad():
+        assert (ours.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-4
+
+
+def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_dir, tmp_path):
+    out = tmp_path / "hf"
+    assert export(trained_run, out).returncode == 0
+    run = tmp_path / "continued"
+    launch(["--ds_config", "zero1", "--run_dir", run, *SHORT, f"model.init_from={out}",
+            "train.max_steps=2", "train.eval_interval=2", "train.save_interval=2"], 2, cache_dir)
+    before = [json.loads(l) for l in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    after = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    final_eval = [r["eval_loss"] for r in before if "eval_loss" in r][-1]
+    start_eval = [r["eval_loss"] for r in after if "eval_loss" in r][0]
+    assert start_eval == pytest.approx(final_eval, rel=1e-2)  # bf16 forward both times
+
+
+@pytest.mark.parametrize("setup, pattern", [
+    (lambda run, out: (run / "run.json").unlink(), r"run\.json: not found"),
+    (lambda run, out: (out.mkdir(), (out / "x").write_text("keep")), r"exists and is not empty"),
+    (lambda run, out: None, r"step 3: no such checkpoint; have: 8"),
+])
+def test_export_bad_input(trained_run, tmp_path, setup, pattern):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    out = tmp_path / "out"
+    setup(run, out)
+    proc = export(run, out, *(["--step", "3"] if "step 3" in pattern else []))
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if "error:" in l]
+    assert len(lines) == 1 and __import__("re").search(pattern, lines[0]), proc.stderr
+    if (out / "x").exists():
+        assert (out / "x").read_text() == "keep"
