@@ -74,6 +74,7 @@ def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp
         else:
             kill_when(proc, lambda: (ckpt / ".incoming" / "step_00000006").exists())
     latest = (ckpt / "latest").read_text().strip()
+    print(f"killed {moment}: latest={latest}")
     assert latest in ("step_00000003", "step_00000006")
     assert (ckpt / latest / "dr_scale_state_rank1.pt").exists()   # latest is always complete
     if moment == "mid_checkpoint_write" and latest == "step_00000003":

@@ -77,15 +77,18 @@ def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, t
 
 
 def write_tokenizer(out: Path, tokenizer_model, eod_id: int):
-    """The sentencepiece model, and transformers' own tokenizer files converted from it."""
+    """The sentencepiece model, and transformers' tokenizer.json converted from it (so a reader
+    needs no sentencepiece). Ids agree with ours except that transformers folds a leading space
+    of the whole text into the dummy prefix."""
     import shutil
 
-    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
-    from transformers import LlamaTokenizer
+    from transformers import AutoTokenizer
 
-    tok = LlamaTokenizer(vocab_file=str(out / "tokenizer.model"), add_bos_token=False,
-                         add_eos_token=False, legacy=False)
-    tok.save_pretrained(str(out))
+    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
+        "legacy": False, "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}) + "\n")
+    AutoTokenizer.from_pretrained(str(out)).save_pretrained(str(out))
 
 
 def read_folder(folder) -> tuple:
