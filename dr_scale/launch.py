@@ -117,6 +117,23 @@ def prepare_data(cfg, layout):
                          eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
 
 
+def plan_resume(ckpt_dir: Path, world: int, ds: dict):
+    """(step, plan) for --resume; with another number of ranks or ZeRO stage, rank 0 converts the
+    checkpoint to DeepSpeed's universal format first (once) and every rank loads that."""
+    from dr_scale.train.checkpoint import (convert_to_universal, find_tag, reshard_plan,
+                                           step_of)
+
+    tag = find_tag(ckpt_dir)
+    plan = reshard_plan(ckpt_dir, tag, world, dsc.zero_stage(ds))
+    if plan == "universal":
+        if dist.get_rank() == 0:
+            print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-"
+                  f"{dsc.zero_stage(ds)} (DeepSpeed universal checkpoint)", flush=True)
+            convert_to_universal(ckpt_dir, tag)
+        dist.barrier()
+    return step_of(tag), plan
+
+
 def check_same_tokenizer(run_dir: Path, tokenizer):
     from dr_scale.data.tokenizer import file_sha256
 
@@ -160,11 +177,11 @@ def run(args):
     layout = dsc.batch_layout(cfg.train, dp_size)
     check_precision(ds, ds_path)
     run_dir = choose_run_dir(run_dir, cfg, args.resume)
-    resume_step = None
+    resume_step, resume_plan = None, None
     if args.resume:
-        from dr_scale.train.checkpoint import find_tag, step_of
-
-        resume_step = step_of(find_tag(run_dir / "checkpoints"))
+        resume_step, resume_plan = plan_resume(run_dir / "checkpoints", world, ds)
+        if resume_plan == "universal":
+            ds = dict(ds, checkpoint=dict(ds.get("checkpoint", {}), load_universal=True))
     callbacks = build_callbacks(cfg.callbacks)
 
     sources = prepare_data(cfg, layout)
@@ -217,7 +234,8 @@ def run(args):
     engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
                                 scheduler, ds_path)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
-                      peak, device, callbacks, stop_at_step=args.stop_at_step)
+                      peak, device, callbacks, stop_at_step=args.stop_at_step,
+                      resume_plan=resume_plan)
     if args.resume:
         trainer.resume()
     try:

@@ -102,7 +102,7 @@ def short_run(reference, cache_dir, tmp_path_factory):
     (lambda c: (c / "latest").write_text("step_00000099\n"), r"latest: names step_00000099, which is missing"),
     (lambda c: (c / "latest").unlink(), r"checkpoints: no checkpoint \(no 'latest' file\)"),
     (lambda c: (c / "step_00000003" / "dr_scale_state_rank1.pt").unlink(),
-     r"step_00000003: written by 1 rank\(s\), this run has 2"),
+     r"step_00000003: dr_scale state of 1 rank\(s\) but DeepSpeed shards of 2 \(incomplete checkpoint\)"),
     (lambda c: [f.write_bytes(f.read_bytes()[:1000]) for f in (c / "step_00000003").glob("zero_pp_rank_0_*model_states.pt")],
      r"step_00000003: DeepSpeed could not load it"),
     (lambda c: [f.unlink() for f in (c / "step_00000003").glob("dr_scale_state_rank*.pt")],

@@ -49,7 +49,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
-    if list(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
+    if list(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO-1, 2 and 3 shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:

@@ -85,8 +85,14 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, keep_last: int = 0) -> 
     ckpt_dir = Path(ckpt_dir)
     tag, rank = tag_for(step), dist.get_rank()
     staging = ckpt_dir / STAGING
-    engine.save_checkpoint(str(staging), tag=tag, client_state={"dr_scale_step": step},
-                           save_latest=False)
+    # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this checkpoint later.
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: {
+        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    engine.save_checkpoint(str(staging), tag=tag, client_state=client_state, save_latest=False)
     state_path = staging / tag / STATE_FILE.format(rank=rank)
     torch.save(state, state_path)
     _fsync_file(state_path)
@@ -141,24 +147,87 @@ def find_tag(ckpt_dir: Path, step: Optional[int] = None) -> str:
     return tag
 
 
-def check_world(tag_dir: Path, world_size: int):
-    """A checkpoint written by another number of ranks must be resharded first."""
+def ranks_written(tag_dir: Path) -> int:
     written = len(list(tag_dir.glob(STATE_FILE.format(rank="*"))))
     if written == 0:
         raise DrScaleError(f"{tag_dir}: not a dr_scale checkpoint (no {STATE_FILE.format(rank=0)})")
-    if written != world_size:
-        raise DrScaleError(f"{tag_dir}: written by {written} rank(s), this run has {world_size}; "
-                           "reshard it first with `dr-scale reshard`")
+    return written
 
 
-def load(engine, ckpt_dir: Path, expected_model: dict):
-    """Load the latest checkpoint into ``engine``; returns (our state dict, path)."""
+def saved_zero_family(tag_dir: Path) -> int:
+    """0 (one full file), 1 (ZeRO-1/2 optimizer shards) or 3 (ZeRO-3 parameter shards)."""
+    if list(tag_dir.glob("zero_pp_rank_*_model_states.pt")):
+        return 3
+    if list(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        return 1
+    return 0
+
+
+def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int):
+    """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
+    checkpoint, converted on first use); one line of error where neither can work."""
+    tag_dir = Path(ckpt_dir) / tag
+    written = ranks_written(tag_dir)
+    family = saved_zero_family(tag_dir)
+    shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
+    if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
+        raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
+                           f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
+    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
+    if written == world_size and family == target:
+        return "direct"
+    if family == 0 and target == 0:
+        return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
+    if family == target:
+        return "universal"
+    names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
+    raise DrScaleError(
+        f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
+        f"ZeRO-{target_stage} here: DeepSpeed reshards within ZeRO-1/2 or within ZeRO-3 only; "
+        "resume with a ds_config of the same family, or carry the weights without optimizer "
+        "state through `dr-scale export` and model.init_from")
+
+
+def universal_dir(ckpt_dir: Path) -> Path:
+    return Path(ckpt_dir) / "universal"
+
+
+def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
+    """Run DeepSpeed's ds_to_universal once per tag (rank 0); our rank-0 state goes along."""
+    import subprocess
+    import sys
+
+    out = universal_dir(ckpt_dir) / tag
+    if (out / STATE_FILE.format(rank=0)).is_file():
+        return out
+    tmp = universal_dir(ckpt_dir) / f".{tag}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                           "--input_folder", str(Path(ckpt_dir) / tag), "--output_folder",
+                           str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise DrScaleError(f"{Path(ckpt_dir) / tag}: conversion to a universal checkpoint failed "
+                           f"({last[:200]})")
+    shutil.copyfile(Path(ckpt_dir) / tag / STATE_FILE.format(rank=0),
+                    tmp / STATE_FILE.format(rank=0))
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct"):
+    """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
+    changed number of ranks every rank takes rank 0's state (all ranks' states are equal: one
+    seed, data position by step)."""
     ckpt_dir = Path(ckpt_dir)
     rank = dist.get_rank()
     tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    check_world(path, dist.get_world_size())
-    state_path = path / STATE_FILE.format(rank=rank)
+    load_dir = universal_dir(ckpt_dir) if plan == "universal" else ckpt_dir
+    own = load_dir / tag / STATE_FILE.format(rank=rank)
+    state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)
     try:
         state = torch.load(state_path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
@@ -171,7 +240,7 @@ def load(engine, ckpt_dir: Path, expected_model: dict):
     if rank == 0:
         shutil.rmtree(ckpt_dir / STAGING, ignore_errors=True)  # leftovers of a crashed save
     try:
-        load_path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a bad file
         raise DrScaleError(f"{path}: DeepSpeed could not load it ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None

@@ -14,13 +14,15 @@ from dr_scale.train.metrics import peak_memory_bytes
 
 class Trainer:
     def __init__(self, engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger,
-                 flops_per_token, peak_flops, device, callbacks=(), stop_at_step=None):
+                 flops_per_token, peak_flops, device, callbacks=(), stop_at_step=None,
+                 resume_plan="direct"):
         self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.run_dir, self.logger = Path(run_dir), logger
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.device = device
         self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
+        self.resume_plan = resume_plan
         self.callbacks = CallbackList(callbacks)
         self.step = 0  # optimizer steps done
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
@@ -46,7 +48,7 @@ class Trainer:
 
     def resume(self):
         state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                      self.model_signature)
+                                      self.model_signature, self.resume_plan)
         self.step = int(state["step"])
         checkpoint.set_rng_state(state["rng"])
         for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):

@@ -1,0 +1,46 @@
+"""A checkpoint written by N ranks resumes on M ranks (and ZeRO-1 <-> ZeRO-2), the loss going
+on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
+import pytest
+
+from tests.conftest import launch
+from tests.test_train_distributed import records
+
+ARGS = ["data.seq_length=64", "train.max_steps=8", "train.warmup_steps=2",
+        "train.log_interval=1", "train.eval_interval=8", "train.save_interval=4",
+        "train.eval_samples=16", "train.micro_batch_size=2", "train.global_batch_size=8",
+        "logging.plot=false", "logging.tensorboard=false"]
+
+
+def losses(run):
+    return {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+
+
+@pytest.mark.parametrize("save, resume", [
+    ((2, "zero3"), (1, "zero3")),
+    ((2, "zero1"), (1, "zero2")),
+    ((1, "zero2"), (2, "zero1")),
+])
+def test_resume_on_another_number_of_ranks(save, resume, cache_dir, tmp_path):
+    (save_ranks, save_ds), (resume_ranks, resume_ds) = save, resume
+    full = tmp_path / "full"
+    launch(["--ds_config", save_ds, "--run_dir", full, *ARGS], save_ranks, cache_dir)
+    run = tmp_path / "run"
+    launch(["--ds_config", save_ds, "--run_dir", run, *ARGS, "--stop_at_step", 4], save_ranks,
+           cache_dir)
+    proc = launch(["--ds_config", resume_ds, "--run_dir", run, "--resume"], resume_ranks, cache_dir)
+    assert "resharding" in proc.stdout and "at step 4 (32 samples consumed)" in proc.stdout
+    a, b = losses(full), losses(run)
+    assert sorted(b) == list(range(1, 9))
+    for step in range(5, 9):  # bf16: same data and weights, other reduction order and sharding
+        assert b[step] == pytest.approx(a[step], rel=1e-3), step
+    assert b[8] < b[1]
+
+
+def test_zero3_to_zero1_is_refused_with_what_to_do(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    launch(["--ds_config", "zero3", "--run_dir", run, *ARGS, "--stop_at_step", 4], 2, cache_dir)
+    proc = launch(["--ds_config", "zero1", "--run_dir", run, "--resume"], 1, cache_dir,
+                  check=False)
+    assert proc.returncode == 2
+    assert ("a ZeRO-3 checkpoint (2 rank(s)) cannot be resumed at ZeRO-1 here: DeepSpeed reshards "
+            "within ZeRO-1/2 or within ZeRO-3 only") in proc.stderr
