@@ -17,3 +17,7 @@ def where(path, key=None) -> str:
     if key:
         return f"{path}: {key}" if path else str(key)
     return str(path)
+
+
+class TrainingStopped(DrScaleError):
+    """Training stopped itself on purpose (e.g. too many non-finite steps in a row)."""

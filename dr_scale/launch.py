@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
-from dr_scale.errors import DrScaleError
+from dr_scale.errors import DrScaleError, TrainingStopped
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
          "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
@@ -304,6 +304,10 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         run(args)
+    except TrainingStopped as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"dr_scale: stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "

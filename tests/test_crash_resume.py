@@ -140,3 +140,21 @@ def test_checkpoint_of_another_shape_is_refused(reference, short_run, cache_dir,
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "model.num_layers=2"], 2,
                   cache_dir, check=False)
     assert "checkpoint of another model shape: num_layers=4 (this run: 2)" in proc.stderr
+
+
+def test_resume_with_another_tokenizer_is_refused(reference, short_run, cache_dir, tmp_path):
+    import shutil
+
+    from dr_scale.data.corpus import CORPUS
+    from dr_scale.data.preprocess import iter_documents
+    from dr_scale.data.tokenizer import train_tokenizer
+
+    ds, _ = reference
+    run = tmp_path / "run"
+    shutil.copytree(short_run, run)
+    other = train_tokenizer(iter_documents([CORPUS]), tmp_path / "other", 2048)
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", f"data.tokenizer={other}"],
+                  2, cache_dir, check=False)
+    assert proc.returncode == 2
+    assert "tokenizer.model: the run was trained with this tokenizer, but the resumed config " \
+           f"gives {other}" in proc.stderr

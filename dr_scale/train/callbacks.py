@@ -49,6 +49,8 @@ class CallbackList:
 
 def build_callbacks(callbacks_cfg) -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true."""
+    from dr_scale.train import nan_guard  # noqa: F401  (registers the built-in callbacks)
+
     out = []
     for name, opts in (callbacks_cfg or {}).items():
         if opts is None:

@@ -102,6 +102,19 @@ class MetricsLogger:
                 self.note(f"wandb logging off ({type(e).__name__}: {e})")
                 self.wandb = None
 
+    def log_event(self, rec: dict):
+        """A record that is neither training nor evaluation (skipped steps, alerts)."""
+        if not self.enabled:
+            return
+        if not self._opened:
+            self._open()
+        if self.cfg.console:
+            print(f"event step {rec.get('step')}: " + ", ".join(
+                f"{k}={v}" for k, v in rec.items() if k != "step"), flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps(rec) + "\n")
+            self.jsonl.flush()
+
     def close(self):
         if self.jsonl:
             self.jsonl.close()

@@ -23,6 +23,8 @@ class Trainer:
         self.device = device
         self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
         self.resume_plan = resume_plan
+        self.last_loss = None         # the latest micro-batch loss (a tensor), for callbacks
+        self.last_checkpoint = None   # path of the latest complete checkpoint
         self.callbacks = CallbackList(callbacks)
         self.step = 0  # optimizer steps done
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
@@ -43,6 +45,7 @@ class Trainer:
     def save_checkpoint(self):
         path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
                                self.state_dict(), self.cfg.train.keep_checkpoints)
+        self.last_checkpoint = path
         self.logger.info(f"saved checkpoint {path}")
         self.callbacks.fire("on_checkpoint", self, self.step, path)
 
@@ -53,6 +56,7 @@ class Trainer:
         checkpoint.set_rng_state(state["rng"])
         for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):
             cb.load_state_dict(cb_state)
+        self.last_checkpoint = path
         self.logger.info(f"resumed from {path} at step {self.step} "
                          f"({state['consumed_samples']} samples consumed)")
         self.callbacks.fire("on_resume", self, self.step, path)
@@ -95,6 +99,7 @@ class Trainer:
             for micro in range(self.layout["accum"]):
                 batch = next(batches).to(self.device, non_blocking=True)
                 loss = self.engine(batch[:, :-1], batch[:, 1:])
+                self.last_loss = loss.detach()
                 self.engine.backward(loss)
                 self.callbacks.fire("after_backward", self, self.step, micro)
                 self.engine.step()
@@ -130,4 +135,5 @@ class Trainer:
                 "mfu": flops_per_rank / self.peak_flops,
                 "step_time_s": seconds / steps,
                 "consumed_tokens": self.step * self.tokens_per_step,
+                "skipped_steps": int(self.engine.skipped_steps),
                 "mem_peak_bytes": int(mem.item())}

@@ -1,0 +1,73 @@
+"""nan_guard: non-finite losses and gradients are caught, the step skipped, the first offending
+parameter named; after `max_consecutive` bad steps in a row the run stops, its last good
+checkpoint intact.
+
+DeepSpeed already refuses an optimizer step whose global gradient norm is not finite (every ZeRO
+stage, bf16 included: `check_grad_overflow`), without stepping the LR schedule; this callback
+watches for that, finds which parameter went bad, logs it and counts. Finding the parameter uses
+a hook per parameter that records, on the device and without a host sync, whether its local
+gradient was finite; the flags are reduced across ranks only when a step was skipped.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+
+from dr_scale.errors import TrainingStopped
+from dr_scale.registry import CALLBACK_REGISTRY
+from dr_scale.train.callbacks import Callback
+
+
+@CALLBACK_REGISTRY.register("nan_guard")
+class NanGuard(Callback):
+    def __init__(self, max_consecutive: int = 3):
+        if not isinstance(max_consecutive, int) or max_consecutive < 1:
+            raise TypeError(f"max_consecutive: expected an integer >= 1, got {max_consecutive!r}")
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.skipped_total = 0
+
+    def on_train_start(self, trainer):
+        params = [(n, p) for n, p in trainer.engine.module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in params]
+        self.bad = torch.zeros(len(params) + 1, device=trainer.device)  # last slot: the loss
+        for i, (_, p) in enumerate(params):
+            p.register_hook(functools.partial(self._check_grad, i))
+        self.skipped_before = trainer.engine.skipped_steps
+
+    def _check_grad(self, i, grad):
+        self.bad[i] = torch.maximum(self.bad[i], (~torch.isfinite(grad).all()).float())
+
+    def after_backward(self, trainer, step, micro_step):
+        loss = trainer.last_loss
+        self.bad[-1] = torch.maximum(self.bad[-1], (~torch.isfinite(loss).all()).float().to(self.bad.device))
+
+    def after_step(self, trainer, step, record):
+        skipped = trainer.engine.skipped_steps > self.skipped_before
+        self.skipped_before = trainer.engine.skipped_steps
+        if not skipped:
+            self.consecutive = 0
+            self.bad.zero_()
+            return
+        dist.all_reduce(self.bad, op=dist.ReduceOp.MAX)
+        flags = self.bad.tolist()
+        first = next((self.names[i] for i, f in enumerate(flags[:-1]) if f), None)
+        what = ("non-finite loss" if flags[-1] else "non-finite gradient") + \
+            (f", first non-finite gradient: {first}" if first else "")
+        self.consecutive += 1
+        self.skipped_total += 1
+        trainer.logger.log_event({"step": step, "skipped_step": True, "reason": what,
+                                  "consecutive": self.consecutive})
+        self.bad.zero_()
+        if self.consecutive >= self.max_consecutive:
+            last = trainer.last_checkpoint or "none yet"
+            raise TrainingStopped(
+                f"nan_guard: {self.consecutive} non-finite steps in a row (last at step {step}: "
+                f"{what}); stopped without saving; last good checkpoint: {last}")
+
+    def state_dict(self):
+        return {"consecutive": self.consecutive, "skipped_total": self.skipped_total}
+
+    def load_state_dict(self, state):
+        self.consecutive = int(state.get("consecutive", 0))
+        self.skipped_total = int(state.get("skipped_total", 0))
