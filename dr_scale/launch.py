@@ -134,13 +134,13 @@ def plan_resume(ckpt_dir: Path, world: int, ds: dict):
     return step_of(tag), plan
 
 
-def check_same_tokenizer(run_dir: Path, tokenizer):
+def check_same_tokenizer(run_dir: Path, tokenizer, given: str):
     from dr_scale.data.tokenizer import file_sha256
 
     used = run_dir / "tokenizer.model"
     if used.is_file() and file_sha256(used) != tokenizer.sha256:
         raise DrScaleError(f"{used}: the run was trained with this tokenizer, but the resumed "
-                           f"config gives {tokenizer.path}; token ids would change meaning")
+                           f"config gives {given}; token ids would change meaning")
 
 
 def param_groups(model, weight_decay: float):
@@ -186,7 +186,8 @@ def run(args):
 
     sources = prepare_data(cfg, layout)
     if args.resume:
-        check_same_tokenizer(run_dir, sources.tokenizer)
+        check_same_tokenizer(run_dir, sources.tokenizer,
+                             cfg.data.tokenizer or "the tokenizer trained on the bundled corpus")
     shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)
     if cfg.data.seq_length > shape.max_seq_length:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
