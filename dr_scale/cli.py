@@ -51,7 +51,7 @@ def cmd_export(a):
     if a.ema:
         from dr_scale.train.checkpoint import load_ema_state
 
-        state = load_ema_state(ckpt_dir / tag)
+        state = load_ema_state(ckpt_dir / tag, shape.tie_embeddings)
     else:
         state = consolidated_state_dict(ckpt_dir, tag, shape)
     tok = Tokenizer(run_dir / "tokenizer.model")

@@ -22,11 +22,18 @@ def evals(run_dir):
     return [r for r in records(run_dir) if "eval_loss" in r]
 
 
-def test_readme_main_job_on_two_ranks(cache_dir, tmp_path):
-    """The README's command with 2 ranks: held-out loss falls >= 40%, the run folder is complete."""
+def test_readme_main_job(cache_dir, tmp_path):
+    """The README's command as written (one rank here): held-out loss falls >= 40%, the run
+    folder is complete. The 2-rank form is covered by the shorter runs below."""
+    import os
+
     run = tmp_path / "run"
-    proc = launch(["--ds_config", "zero3.json", "--run_dir", run], 2, cache_dir, timeout=900)
-    assert "dr_scale: 2 rank(s)" in proc.stdout and "ZeRO-3, bf16" in proc.stdout
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir))
+    proc = subprocess.run(["deepspeed", "--master_port", str(free_port()), str(PRETRAIN),
+                           "--ds_config", "zero3.json", "--run_dir", str(run)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dr_scale: 1 rank(s)" in proc.stdout and "ZeRO-3, bf16" in proc.stdout
     ev = evals(run)
     assert [r["step"] for r in ev] == [0, 100, 200, 300, 400]
     assert ev[-1]["eval_loss"] <= 0.6 * ev[0]["eval_loss"], ev
@@ -42,9 +49,9 @@ def test_readme_main_job_on_two_ranks(cache_dir, tmp_path):
     assert snap == default
     ds = json.loads((run / "ds_config.json").read_text())
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
-            ds["gradient_accumulation_steps"], ds["zero_optimization"]["stage"]) == (16, 8, 1, 3)
+            ds["gradient_accumulation_steps"], ds["zero_optimization"]["stage"]) == (8, 8, 1, 3)
     info = json.loads((run / "run.json").read_text())
-    assert info["world"]["world_size"] == 2 and info["packages"]["deepspeed"]
+    assert info["world"]["world_size"] == 1 and info["packages"]["deepspeed"]
     assert "commit" in info["git"]
     assert (run / "tokenizer.model").stat().st_size > 1000
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000400"
@@ -58,9 +65,13 @@ def test_readme_main_job_on_two_ranks(cache_dir, tmp_path):
 @pytest.mark.parametrize("ds_config", ["zero0", "zero1", "zero2", "zero3_offload"])
 def test_every_zero_stage_trains(ds_config, cache_dir, tmp_path):
     run = tmp_path / "run"
-    launch(["--ds_config", ds_config, "--run_dir", run, *SHORT], 2, cache_dir)
+    # wandb rides along on one of them: offline, no network, and the run must not care.
+    wandb = ["logging.wandb=true", "logging.wandb_mode=offline"] if ds_config == "zero1" else []
+    launch(["--ds_config", ds_config, "--run_dir", run, *SHORT, *wandb], 2, cache_dir)
     ev = evals(run)
     assert ev[-1]["eval_loss"] <= 0.75 * ev[0]["eval_loss"], ev
+    if wandb:
+        assert list((run / "wandb").glob("offline-run-*"))
 
 
 def fp32_config(tmp_path, stage):
@@ -77,7 +88,8 @@ RESUME = ["data.seq_length=64", "train.max_steps=12", "train.warmup_steps=3",
           "logging.plot=false", "logging.tensorboard=false"]
 
 
-@pytest.mark.parametrize("precision, stage", [("fp32", 3), ("bf16", 1)])
+# fp32 ZeRO-3 is compared bitwise, after SIGKILLs, in test_crash_resume.py.
+@pytest.mark.parametrize("precision, stage", [("bf16", 1)])
 def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tmp_path):
     ds = str(fp32_config(tmp_path, stage)) if precision == "fp32" else f"zero{stage}"
     full, split = tmp_path / "full", tmp_path / "split"
@@ -117,15 +129,6 @@ def test_torchrun_gives_the_same_losses_as_the_deepspeed_launcher(cache_dir, tmp
     a = [r["loss"] for r in records(tmp_path / "ds") if "loss" in r]
     b = [r["loss"] for r in records(tmp_path / "tr") if "loss" in r]
     assert len(a) == 10 and a == b
-
-
-def test_wandb_offline_and_missing_network_never_stop_a_run(cache_dir, tmp_path):
-    run = tmp_path / "run"
-    env_args = ["logging.wandb=true", "logging.wandb_mode=offline", "train.max_steps=5",
-                "train.eval_interval=5", "train.save_interval=5"]
-    launch(["--ds_config", "zero1", "--run_dir", run, *SHORT, *env_args], 2, cache_dir)
-    assert list((run / "wandb").glob("offline-run-*"))
-    assert [r["step"] for r in records(run) if "loss" in r] == [5]
 
 
 def test_accumulation_and_data_parallel_split_give_the_same_losses(cache_dir, tmp_path):

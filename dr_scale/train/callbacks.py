@@ -49,7 +49,8 @@ class CallbackList:
 
 def build_callbacks(callbacks_cfg) -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true."""
-    from dr_scale.train import nan_guard  # noqa: F401  (registers the built-in callbacks)
+    from dr_scale.compat import ema, memory  # noqa: F401  (registers the built-in callbacks)
+    from dr_scale.train import nan_guard  # noqa: F401
 
     out = []
     for name, opts in (callbacks_cfg or {}).items():
@@ -61,10 +62,13 @@ def build_callbacks(callbacks_cfg) -> List[Callback]:
         enabled = opts.pop("enabled", False)
         if not isinstance(enabled, bool):
             raise DrScaleError(f"callbacks.{name}.enabled: expected true or false, got {enabled!r}")
-        cls = CALLBACK_REGISTRY.get(name)
+        try:
+            cls = CALLBACK_REGISTRY.get(name)
+        except DrScaleError as e:
+            raise DrScaleError(f"callbacks.{name}: {e}") from None
         if enabled:
             try:
                 out.append(cls(**opts))
-            except TypeError as e:
+            except (TypeError, DrScaleError) as e:
                 raise DrScaleError(f"callbacks.{name}: {e}") from None
     return out

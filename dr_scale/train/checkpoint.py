@@ -249,10 +249,19 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct"):
     return state, path
 
 
-def load_ema_state(tag_dir: Path) -> dict:
-    """EMA weights saved beside a checkpoint (callbacks.ema)."""
-    path = Path(tag_dir) / "ema.pt"
-    if not path.is_file():
-        raise DrScaleError(f"{path}: not found; this run kept no EMA weights "
-                           "(callbacks.ema.enabled was off)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_ema_state(tag_dir: Path, tie_embeddings: bool) -> dict:
+    """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint."""
+    from dr_scale.compat.ema import assemble
+
+    tag_dir = Path(tag_dir)
+    states = []
+    for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
+        cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", [])
+        states += [cb for cb in cbs if isinstance(cb, dict) and "ema" in cb and "names" in cb]
+    if not states:
+        raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
+                           "off for this run)")
+    weights = assemble(states)
+    if tie_embeddings and "model.embed_tokens.weight" in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    return weights

@@ -25,8 +25,9 @@ def format_bytes(n: float) -> str:
 
 def console_line(rec: dict, max_steps: int) -> str:
     if "eval_loss" in rec:
+        ema = f" | EMA loss {rec['ema_eval_loss']:.4f}" if "ema_eval_loss" in rec else ""
         return (f"eval  step {rec['step']:>6}/{max_steps} | loss {rec['eval_loss']:.4f} | "
-                f"ppl {rec['eval_ppl']:.2f}")
+                f"ppl {rec['eval_ppl']:.2f}{ema}")
     return (f"train step {rec['step']:>6}/{max_steps} | loss {rec['loss']:.4f} | "
             f"lr {rec['lr']:.3e} | {rec['tokens_per_s']:,.0f} tok/s | "
             f"{rec['tflops']:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}% | "

@@ -63,7 +63,8 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> dict:
+    def eval_loss(self) -> float:
+        """Mean held-out token loss over all data-parallel ranks, with the current weights."""
         self.engine.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         for batch in eval_batches(self.sources.valid, self.layout["micro"], self.dp_size,
@@ -74,11 +75,15 @@ class Trainer:
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
         dist.all_reduce(totals)
         self.engine.train()
-        eval_loss = (totals[0] / totals[1]).item()
+        self._eval_tokens = int(totals[1])
+        return (totals[0] / totals[1]).item()
+
+    def evaluate(self) -> dict:
+        eval_loss = self.eval_loss()
         rec = {"step": self.step, "eval_loss": eval_loss,
-               "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(totals[1])}
+               "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": self._eval_tokens}
+        self.callbacks.fire("on_evaluate", self, self.step, rec)  # callbacks may add fields
         self.logger.log(rec)
-        self.callbacks.fire("on_evaluate", self, self.step, rec)
         return rec
 
     # -- training ------------------------------------------------------------------------------

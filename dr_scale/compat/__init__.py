@@ -1,0 +1,1 @@
+"""Compatibility layer: training aids that work under every ZeRO stage (EMA, ...)."""

@@ -1,0 +1,63 @@
+"""MemoryMonitor (sample, plot, memory.png per run) and MemoryAlertCallback."""
+import json
+
+import psutil
+import pytest
+
+from dr_scale.compat.memory import MemoryMonitor, parse_threshold
+from dr_scale.errors import DrScaleError
+from tests.conftest import launch
+
+
+def test_parse_threshold():
+    assert parse_threshold("12GiB") == 12 * 2**30
+    assert parse_threshold("500 MB") == 500_000_000
+    assert parse_threshold(1234) == 1234
+    assert parse_threshold("50%") == pytest.approx(psutil.virtual_memory().total / 2, rel=1e-6)
+    for bad in ("80 parsecs", "0%", "150%", -5, True, "abc"):
+        with pytest.raises(DrScaleError, match="max_usage: expected a percentage"):
+            parse_threshold(bad)
+
+
+def test_monitor_samples_and_plots(tmp_path):
+    import matplotlib.image
+
+    mon = MemoryMonitor()
+    blob = []
+    for step in range(4):
+        blob.append(bytearray(20 * 2**20))  # grow by 20 MiB a step
+        rec = mon.sample(step)
+        assert rec["host_rss_bytes"] > 0
+    rss = [s["host_rss_bytes"] for s in mon.samples]
+    assert rss[-1] - rss[0] >= 50 * 2**20
+    img = matplotlib.image.imread(mon.plot(tmp_path / "m.png"))
+    assert img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_monitor_and_alert_in_a_run(cache_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = launch(["--ds_config", "zero2", "--run_dir", run, "data.seq_length=64",
+                   "train.max_steps=6", "train.log_interval=2", "train.eval_interval=6",
+                   "train.save_interval=6", "train.eval_samples=8", "logging.plot=false",
+                   "callbacks={memory_monitor: {enabled: true}, "
+                   "memory_alert: {enabled: true, max_usage: 1MiB, every: 2}}"], 2, cache_dir)
+    import matplotlib.image
+
+    img = matplotlib.image.imread(run / "memory.png")  # decodes as a PNG
+    assert img.shape[0] > 100
+    # Use is far above 1 MiB: warned at step 1, then every 2 steps, on each rank.
+    assert proc.stderr.count("memory alert (rank 0") == 3
+    events = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
+              if "memory_alert" in l]
+    assert [e["step"] for e in events] == [1, 3, 5]
+    assert all(e["usage_bytes"] > e["threshold_bytes"] == 2**20 for e in events)
+
+
+def test_bad_alert_threshold_is_one_line(cache_dir, tmp_path):
+    from tests.test_cli_errors import errors_of
+
+    proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "r",
+                   "callbacks={memory_alert: {enabled: true, max_usage: lots}}"], 1, cache_dir,
+                  launcher="python", check=False)
+    assert "callbacks.memory_alert: max_usage: expected a percentage ('80%'), a size ('12GiB') " \
+           "or bytes, got 'lots'" in errors_of(proc)
