@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir):
     run_dir = Path(workdir) / f"{preset}-{ds_config}-{ranks}r"
-    cmd = ["deepspeed", "--num_gpus", str(ranks), str(ROOT / "launchers" / "pretrain.py"),
+    port = ["--master_port", str(29500 + os.getpid() % 1000)]
+    cmd = ["deepspeed", "--num_gpus", str(ranks), *port, str(ROOT / "launchers" / "pretrain.py"),
            "--ds_config", ds_config, "--run_dir", str(run_dir), f"model.preset={preset}",
            f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
            f"data.seq_length={seq}", "train.log_interval=5", f"train.eval_interval={steps}",

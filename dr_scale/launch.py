@@ -55,6 +55,8 @@ def init_distributed():
 
     acc = get_accelerator()
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    if acc.device_name() == "cpu":
+        release_shm_names()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
                       os.environ.get("WORLD_SIZE", "1"))
     if acc.device_name() == "cpu":
@@ -68,6 +70,25 @@ def init_distributed():
         acc.set_device(local_rank)
         device = torch.device(acc.device_name(local_rank))
     return device, local_world
+
+
+def release_shm_names():
+    """DeepSpeed's CPU comm op maps a 66 MB /dev/shm buffer per rank (for inference all-reduce)
+    and never unlinks it, so every run used to leave its buffers behind until /dev/shm filled
+    and later runs crashed or hung. Once every rank has mapped its peers' buffers (the barrier),
+    the names can go: the mappings live on and the memory is freed when the ranks exit, SIGKILL
+    included."""
+    import glob
+
+    dist.barrier()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    dist.barrier()
 
 
 def _broadcast(obj):
@@ -129,7 +150,7 @@ def plan_resume(ckpt_dir: Path, world: int, ds: dict):
         if dist.get_rank() == 0:
             print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-"
                   f"{dsc.zero_stage(ds)} (DeepSpeed universal checkpoint)", flush=True)
-            convert_to_universal(ckpt_dir, tag)
+            convert_to_universal(ckpt_dir, tag, dsc.zero_stage(ds), world)
         dist.barrier()
     return step_of(tag), plan
 

@@ -1,4 +1,5 @@
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,8 +27,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, ranks: int, cache, timeout=600, check=True, launcher="deepspeed"):
-    """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks."""
+def run_group(cmd, env, timeout):
+    """Run cmd in its own process group; on timeout kill the whole group (launcher and ranks)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+    return proc.returncode, out, err
+
+
+def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed"):
+    """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks; a
+    launch past `timeout` is killed with all its ranks and fails the test."""
     env = dict(os.environ, DR_SCALE_CACHE=str(cache), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     if launcher == "deepspeed":
@@ -35,7 +50,10 @@ def launch(args, ranks: int, cache, timeout=600, check=True, launcher="deepspeed
                str(PRETRAIN), *map(str, args)]
     else:
         cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    code, out, err = run_group(cmd, env, timeout)
+    if code is None:
+        raise AssertionError(f"launch hung for {timeout}s and was killed:\n{(out + err)[-3000:]}")
+    proc = subprocess.CompletedProcess(cmd, code, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"launcher failed ({proc.returncode}):\n"
                              + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))

@@ -88,7 +88,9 @@ def train_loader(stream: SampleStream, layout: dict, dp_size: int, dp_rank: int,
 
 
 def eval_batches(stream: SampleStream, micro: int, dp_size: int, dp_rank: int):
-    """The same held-out samples every time, split round-robin over data-parallel ranks."""
-    mine = list(range(dp_rank, len(stream), dp_size))
+    """The same held-out samples every time, split round-robin over data-parallel ranks. Every
+    rank gets as many (ZeRO-3 gathers parameters collectively in each forward)."""
+    usable = len(stream) - len(stream) % dp_size
+    mine = list(range(dp_rank, usable, dp_size))
     for i in range(0, len(mine), micro):
         yield torch.stack([stream[p] for p in mine[i:i + micro]])

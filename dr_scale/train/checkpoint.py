@@ -178,29 +178,36 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int):
         return "direct"
     if family == 0 and target == 0:
         return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
-    if family == target:
+    if family and target:
         return "universal"
     names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
     raise DrScaleError(
         f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
-        f"ZeRO-{target_stage} here: DeepSpeed reshards within ZeRO-1/2 or within ZeRO-3 only; "
-        "resume with a ds_config of the same family, or carry the weights without optimizer "
-        "state through `dr-scale export` and model.init_from")
+        f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
+        "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
+        "and model.init_from")
 
 
-def universal_dir(ckpt_dir: Path) -> Path:
-    return Path(ckpt_dir) / "universal"
+def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
+    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
+    family = "zero3" if target_stage == 3 else "zero12"
+    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
+                                           else family)
 
 
-def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
-    """Run DeepSpeed's ds_to_universal once per tag (rank 0); our rank-0 state goes along."""
+def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int) -> Path:
+    """Run DeepSpeed's ds_to_universal once per tag and target (rank 0), then adapt it to the
+    target's ZeRO family if the source was the other one; our rank-0 state goes along."""
     import subprocess
     import sys
 
-    out = universal_dir(ckpt_dir) / tag
+    from dr_scale.train import universal
+
+    source = saved_zero_family(Path(ckpt_dir) / tag)
+    out = universal_dir(ckpt_dir, target_stage, world_size) / tag
     if (out / STATE_FILE.format(rank=0)).is_file():
         return out
-    tmp = universal_dir(ckpt_dir) / f".{tag}.tmp"
+    tmp = out.parent / f".{tag}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                            "--input_folder", str(Path(ckpt_dir) / tag), "--output_folder",
@@ -210,14 +217,26 @@ def convert_to_universal(ckpt_dir: Path, tag: str) -> Path:
         last = (proc.stderr.strip().splitlines() or ["?"])[-1]
         raise DrScaleError(f"{Path(ckpt_dir) / tag}: conversion to a universal checkpoint failed "
                            f"({last[:200]})")
+    if source == 3 and target_stage in (1, 2):
+        universal.zero3_to_zero12(tmp)
+    elif source == 1 and target_stage == 3:
+        universal.zero12_to_zero3(tmp, world_size)
+    elif source == 3:
+        for rank in range(world_size):  # ZeRO-3 opens one model-states file per rank
+            src = tmp / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+            dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+            if not dst.exists():
+                shutil.copyfile(src, dst)
     shutil.copyfile(Path(ckpt_dir) / tag / STATE_FILE.format(rank=0),
                     tmp / STATE_FILE.format(rank=0))
+    out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)
     os.rename(tmp, out)
     return out
 
 
-def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct"):
+def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
+         target_stage: int = 0):
     """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
     changed number of ranks every rank takes rank 0's state (all ranks' states are equal: one
     seed, data position by step)."""
@@ -225,7 +244,8 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct"):
     rank = dist.get_rank()
     tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    load_dir = universal_dir(ckpt_dir) if plan == "universal" else ckpt_dir
+    load_dir = (universal_dir(ckpt_dir, target_stage, dist.get_world_size())
+                if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)
     state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)
     try:

@@ -51,7 +51,8 @@ class Trainer:
 
     def resume(self):
         state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                      self.model_signature, self.resume_plan)
+                                      self.model_signature, self.resume_plan,
+                                      self.engine.zero_optimization_stage())
         self.step = int(state["step"])
         checkpoint.set_rng_state(state["rng"])
         for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):
