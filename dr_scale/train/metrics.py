@@ -81,16 +81,23 @@ class MetricsLogger:
         if self.enabled and self.cfg.console:
             print(text, flush=True)
 
-    def log(self, rec: dict):
+    def _emit(self, rec: dict, line: str) -> bool:
+        """Console line and JSONL record; False on ranks that do not log."""
         if not self.enabled:
-            return
+            return False
         if not self._opened:
             self._open()
         if self.cfg.console:
-            print(console_line(rec, self.max_steps), flush=True)
+            print(line, flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps(rec) + "\n")
             self.jsonl.flush()
+        return True
+
+    def log(self, rec: dict):
+        """A training or evaluation record: also to TensorBoard and wandb."""
+        if not self._emit(rec, console_line(rec, self.max_steps)):
+            return
         scalars = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
         if self.tb:
             prefix = "eval" if "eval_loss" in rec else "train"
@@ -105,16 +112,8 @@ class MetricsLogger:
 
     def log_event(self, rec: dict):
         """A record that is neither training nor evaluation (skipped steps, alerts)."""
-        if not self.enabled:
-            return
-        if not self._opened:
-            self._open()
-        if self.cfg.console:
-            print(f"event step {rec.get('step')}: " + ", ".join(
-                f"{k}={v}" for k, v in rec.items() if k != "step"), flush=True)
-        if self.jsonl:
-            self.jsonl.write(json.dumps(rec) + "\n")
-            self.jsonl.flush()
+        self._emit(rec, f"event step {rec.get('step')}: " + ", ".join(
+            f"{k}={v}" for k, v in rec.items() if k != "step"))
 
     def close(self):
         if self.jsonl:
