@@ -268,8 +268,17 @@ def run(args):
         from dr_scale.train.plot import plot_curves
 
         logger.info(f"wrote {plot_curves(run_dir)}")
-    dist.barrier()
+    close_distributed()
     return run_dir
+
+
+def close_distributed():
+    """Leave the process group together. A rank that exits with gloo's threads still attached
+    while its peer is mid-exit can abort in C++ ("terminate called without an active
+    exception"), turning a clean stop into a crash code."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def check_precision(ds: dict, ds_path):
@@ -329,6 +338,7 @@ def main(argv=None):
     except TrainingStopped as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"dr_scale: stopped: {e}", file=sys.stderr, flush=True)
+        close_distributed()  # every rank stops at the same step, so they can leave together
         sys.exit(3)
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
