@@ -17,7 +17,10 @@ POINTS = ("on_train_start", "before_step", "after_backward", "after_step", "on_e
 
 
 class Callback:
-    """Every point is a no-op here; override the ones you need."""
+    """Every point is a no-op here; override the ones you need. Callbacks switched on from the
+    YAML fire in ascending `order`, then in the order written."""
+
+    order = 0
 
     def on_train_start(self, trainer): ...
     def before_step(self, trainer, step): ...
@@ -49,7 +52,8 @@ class CallbackList:
 
 def build_callbacks(callbacks_cfg) -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true."""
-    from dr_scale.compat import ema, memory  # noqa: F401  (registers the built-in callbacks)
+    # Importing registers the built-in callbacks.
+    from dr_scale.compat import clipping, ema, grad_monitor, memory  # noqa: F401
     from dr_scale.train import nan_guard  # noqa: F401
 
     out = []
@@ -71,4 +75,4 @@ def build_callbacks(callbacks_cfg) -> List[Callback]:
                 out.append(cls(**opts))
             except (TypeError, DrScaleError) as e:
                 raise DrScaleError(f"callbacks.{name}: {e}") from None
-    return out
+    return sorted(out, key=lambda cb: cb.order)

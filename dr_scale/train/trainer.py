@@ -26,12 +26,34 @@ class Trainer:
         self.last_loss = None         # the latest micro-batch loss (a tensor), for callbacks
         self.last_checkpoint = None   # path of the latest complete checkpoint
         self.callbacks = CallbackList(callbacks)
+        self._reported = {}  # name -> values reported by callbacks since the last train record
+        self.stop = None     # the step this invocation ends at (set by fit)
         self.step = 0  # optimizer steps done
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
         self.model_signature = engine.module.shape.weights_signature()
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
+
+    def report(self, name: str, value):
+        """Add a figure to the next training record: numbers (tensors stay on the device, no
+        host sync until the record) are averaged over the window; anything else, the latest."""
+        self._reported.setdefault(name, []).append(value)
+
+    def will_log(self, step: int) -> bool:
+        """Whether the record for optimizer step `step` (1-based) is written."""
+        return step % self.cfg.train.log_interval == 0 or step == self.stop
+
+    def _drain_reports(self) -> dict:
+        out = {}
+        for name, values in self._reported.items():
+            if all(isinstance(v, (int, float, torch.Tensor)) for v in values):
+                out[name] = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu()
+                                         for v in values]).mean().item()
+            else:
+                out[name] = values[-1]
+        self._reported = {}
+        return out
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]
@@ -90,7 +112,7 @@ class Trainer:
     # -- training ------------------------------------------------------------------------------
     def fit(self):
         t = self.cfg.train
-        stop = min(t.max_steps, self.stop_at_step or t.max_steps)
+        stop = self.stop = min(t.max_steps, self.stop_at_step or t.max_steps)
         self.callbacks.fire("on_train_start", self)
         if self.step == 0:
             self.evaluate()
@@ -113,7 +135,7 @@ class Trainer:
             self.step += 1
             window_losses.append(step_loss / self.layout["accum"])
             record = None
-            if self.step % t.log_interval == 0 or self.step == stop:
+            if self.will_log(self.step):
                 record = self._train_record(window_losses, time.perf_counter() - window_start, lr)
                 self.logger.log(record)
                 window_losses, window_start = [], time.perf_counter()
@@ -142,4 +164,11 @@ class Trainer:
                 "step_time_s": seconds / steps,
                 "consumed_tokens": self.step * self.tokens_per_step,
                 "skipped_steps": int(self.engine.skipped_steps),
-                "mem_peak_bytes": int(mem.item())}
+                "mem_peak_bytes": int(mem.item()), **self._grad_norm(), **self._drain_reports()}
+
+    def _grad_norm(self) -> dict:
+        """DeepSpeed's global norm of the last step's gradients (computed when it clips)."""
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return {}
+        return {"grad_norm": float(norm)}

@@ -1,0 +1,56 @@
+"""Per-layer gradient clipping: each parameter's gradient scaled to at most `max_norm` by its own
+whole-parameter norm (not its ZeRO shard's), parameters matching `exempt` left alone.
+
+Runs at the accumulation boundary, after DeepSpeed has reduced the gradients and before its
+optimizer step, so DeepSpeed's global clipping (`train.grad_clip`) still applies after it; set
+that to 0 to clip per layer only.
+
+    callbacks:
+      per_layer_clip: {enabled: true, max_norm: 1.0, exempt: ["*bias", "*norm*"]}
+"""
+import fnmatch
+from typing import List, Sequence
+
+import torch
+
+from dr_scale.compat.grads import grad_norms, local_grads, scale_
+from dr_scale.registry import CALLBACK_REGISTRY
+from dr_scale.train.callbacks import Callback
+
+DEFAULT_EXEMPT = ("*bias", "*norm*", "*.ln_*")
+
+
+def exempt_mask(names: Sequence[str], patterns: Sequence[str]) -> List[bool]:
+    return [any(fnmatch.fnmatchcase(n, pat) for pat in patterns) for n in names]
+
+
+def clip_factors(norms: torch.Tensor, max_norm: float, exempt: torch.Tensor) -> torch.Tensor:
+    """min(1, max_norm / norm) per parameter; 1 for exempt ones."""
+    factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+    return torch.where(exempt, torch.ones_like(factors), factors)
+
+
+def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str]):
+    """Clip this step's reduced gradients in place. Returns (norms, factors), equal on all ranks."""
+    grads = local_grads(engine)
+    norms = grad_norms(engine, grads)
+    exempt = torch.tensor(exempt_mask([g.name for g in grads], patterns), device=norms.device)
+    factors = clip_factors(norms, max_norm, exempt)
+    scale_(grads, factors)
+    return norms, factors
+
+
+@CALLBACK_REGISTRY.register("per_layer_clip")
+class PerLayerClip(Callback):
+    def __init__(self, max_norm: float = 1.0, exempt: Sequence[str] = DEFAULT_EXEMPT):
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
+            raise TypeError(f"max_norm: expected a number > 0, got {max_norm!r}")
+        if isinstance(exempt, str) or not all(isinstance(p, str) for p in exempt):
+            raise TypeError(f"exempt: expected a list of name patterns, got {exempt!r}")
+        self.max_norm, self.exempt = float(max_norm), list(exempt)
+
+    def after_backward(self, trainer, step, micro_step):
+        if micro_step != trainer.layout["accum"] - 1:
+            return  # gradients are reduced only at the accumulation boundary
+        _, factors = clip_per_layer_(trainer.engine, self.max_norm, self.exempt)
+        trainer.report("clipped_params", (factors < 1).sum().float())  # mean over the window

@@ -1,0 +1,101 @@
+"""This rank's share of each parameter's reduced gradient, under any ZeRO stage, and the
+whole-parameter norms computed from the shares.
+
+Valid between the last micro-batch's backward and the optimizer step (DeepSpeed reduces
+gradients at the accumulation boundary; before that they are partial). Every function here is
+called on every rank in the same order: the norms take one all-reduce over the data-parallel group.
+
+Where the gradients live:
+- ZeRO-3: each rank holds a contiguous slice of every parameter's gradient
+  (DeepSpeed's safe_get_local_grad / safe_set_local_grad; the getter may return a copy).
+- ZeRO-1/2 (and DeepSpeed's bf16 optimizer): a rank holds a fragment of some parameters and none
+  of others (the `_hp_mapping` fragment views, written in place).
+- ZeRO-0: every rank holds the whole averaged gradient (`param.grad`, or the fp32 accumulation
+  buffer `_hp_grad` under bf16).
+"""
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class LocalGrad:
+    name: str
+    grad: Optional[torch.Tensor]     # this rank's share (flat), None where it holds none
+    partitioned: bool                # shares on the ranks sum (in squares) to the whole norm
+    write: Optional[Callable]        # stores a modified share back, where `grad` is a copy
+
+
+def local_grads(engine) -> List[LocalGrad]:
+    out = []
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if hasattr(p, "ds_id"):  # ZeRO-3
+            from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
+
+            g = safe_get_local_grad(p)
+            out.append(LocalGrad(name, None if g is None else g.view(-1), True,
+                                 lambda v, p=p: safe_set_local_grad(p, v)))
+        elif getattr(p, "_hp_grad", None) is not None and not _is_fragmented(engine):
+            out.append(LocalGrad(name, p._hp_grad.view(-1), False, None))  # ZeRO-0 bf16 buffer
+        elif hasattr(p, "_hp_mapping") and _is_fragmented(engine):  # ZeRO-1/2
+            g = None
+            if p._hp_mapping is not None:
+                g = p._hp_mapping.get_lp_grad_fragment(p._index_in_param_group).view(-1)
+                if g.numel() == p.numel() and p._hp_mapping.lp_fragment_address.numel < p.numel():
+                    # a full-size accumulation buffer: this rank owns only its fragment of it
+                    a = p._hp_mapping.lp_fragment_address
+                    g = g.narrow(0, a.start, a.numel)
+            out.append(LocalGrad(name, g, True, None))
+        else:
+            out.append(LocalGrad(name, None if p.grad is None else p.grad.view(-1), False, None))
+    return out
+
+
+def _is_fragmented(engine) -> bool:
+    return engine.zero_optimization_stage() in (1, 2)
+
+
+def loss_scale(engine) -> float:
+    """Gradients under fp16 carry the loss scale; norms and thresholds are in unscaled units."""
+    if engine.fp16_enabled():
+        return float(getattr(engine.optimizer, "loss_scale", 1.0))
+    return 1.0
+
+
+def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
+    """Whole-parameter L2 norms of the (unscaled) gradients, one per entry, equal on every rank."""
+    device = device or next(engine.module.parameters()).device
+    sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
+    mine = [i for i, g in enumerate(grads) if g.grad is not None and g.grad.numel()]
+    if mine:
+        parts = [grads[i].grad.float().pow(2).sum() for i in mine]
+        sq[mine] = torch.stack(parts).to(device)
+    if any(g.partitioned for g in grads) and dist.is_initialized():
+        # Whole copies must count once: only the first rank of the group contributes them.
+        group = _dp_group(engine)
+        if dist.get_rank(group=group) != 0:
+            whole = [i for i, g in enumerate(grads) if not g.partitioned]
+            sq[whole] = 0
+        dist.all_reduce(sq, group=group)
+    return sq.sqrt() / loss_scale(engine)
+
+
+def _dp_group(engine):
+    group = getattr(engine, "seq_data_parallel_group", None) or \
+        getattr(engine, "data_parallel_group", None)
+    return group
+
+
+def scale_(grads: List[LocalGrad], factors: torch.Tensor):
+    """Multiply each share by its factor, in place or through the entry's writer."""
+    for g, f in zip(grads, factors):
+        if g.grad is None or not g.grad.numel():
+            continue
+        if g.write is None:
+            g.grad.mul_(f.to(g.grad.dtype))
+        else:
+            g.write(g.grad.float() * f)
