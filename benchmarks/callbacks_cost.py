@@ -19,6 +19,10 @@ VARIANTS = {
     "ema": ["callbacks={ema: {enabled: true, decay: 0.999}}"],
     "memory_monitor": ["callbacks={memory_monitor: {enabled: true}}"],
     "nan_guard": ["callbacks={nan_guard: {enabled: true}}"],
+    "nan_guard_no_outputs": ["callbacks={nan_guard: {enabled: true, trace_outputs: false}}"],
+    "per_layer_clip": ["callbacks={per_layer_clip: {enabled: true}}"],
+    "grad_norm_monitor": ["callbacks={grad_norm_monitor: {enabled: true}}"],
+    "dataloader_profiler": ["callbacks={dataloader_profiler: {enabled: true}}"],
 }
 
 

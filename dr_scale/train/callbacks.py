@@ -31,6 +31,10 @@ class Callback:
     def on_resume(self, trainer, step, path): ...
     def on_exit(self, trainer): ...
 
+    def wrap_loader(self, trainer, loader):
+        """Return the iterable of training batches to use instead of `loader` (profilers)."""
+        return loader
+
     # State saved with each checkpoint, per rank (tensors, numbers, strings, lists, dicts).
     def state_dict(self): return {}
     def load_state_dict(self, state): ...
@@ -53,7 +57,8 @@ class CallbackList:
 def build_callbacks(callbacks_cfg) -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true."""
     # Importing registers the built-in callbacks.
-    from dr_scale.compat import clipping, ema, grad_monitor, memory  # noqa: F401
+    from dr_scale.compat import (clipping, dataloader_profiler, ema, grad_monitor,  # noqa: F401
+                                 memory, step_profiler)
     from dr_scale.train import nan_guard  # noqa: F401
 
     out = []

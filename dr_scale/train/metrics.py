@@ -31,7 +31,9 @@ def console_line(rec: dict, max_steps: int) -> str:
     return (f"train step {rec['step']:>6}/{max_steps} | loss {rec['loss']:.4f} | "
             f"lr {rec['lr']:.3e} | {rec['tokens_per_s']:,.0f} tok/s | "
             f"{rec['tflops']:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}% | "
-            f"mem {format_bytes(rec['mem_peak_bytes'])}")
+            f"mem {format_bytes(rec['mem_peak_bytes'])}"
+            + (f" | grad norm {rec['grad_norm']:.3f}" if "grad_norm" in rec else "")
+            + (f" | clipped {rec['clipped_params']:.1f}" if "clipped_params" in rec else ""))
 
 
 class MetricsLogger:

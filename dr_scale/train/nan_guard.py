@@ -6,7 +6,9 @@ DeepSpeed already refuses an optimizer step whose global gradient norm is not fi
 stage, bf16 included: `check_grad_overflow`), without stepping the LR schedule; this callback
 watches for that, finds which parameter went bad, logs it and counts. Finding the parameter uses
 a hook per parameter that records, on the device and without a host sync, whether its local
-gradient was finite; the flags are reduced across ranks only when a step was skipped.
+gradient was finite; the flags are reduced across ranks only when a step was skipped. Forward
+hooks do the same for module outputs (`trace_outputs`), naming the first module, in the order
+modules finished, whose output was not finite: where a NaN was born rather than where it ended.
 """
 import functools
 
@@ -18,12 +20,46 @@ from dr_scale.registry import CALLBACK_REGISTRY
 from dr_scale.train.callbacks import Callback
 
 
+class NonFiniteOutputs:
+    """Forward hooks that flag, on the device, modules whose output holds a NaN or Inf."""
+
+    def __init__(self, model: torch.nn.Module, device):
+        self.names = [n or "<model>" for n, _ in model.named_modules()]
+        self.flags = torch.zeros(len(self.names), device=device)
+        self.finish_order = []  # module indices in the order their forward finished, first pass
+        self._seen = set()
+        self.handles = [m.register_forward_hook(functools.partial(self._check, i))
+                        for i, (_, m) in enumerate(model.named_modules())]
+
+    def _check(self, i, module, args, output):
+        if i not in self._seen:
+            self._seen.add(i)
+            self.finish_order.append(i)
+        t = output[0] if isinstance(output, (tuple, list)) and output else output
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            bad = (~torch.isfinite(t.detach()).all()).float().to(self.flags.device)
+            self.flags[i] = torch.maximum(self.flags[i], bad)
+
+    def first(self, flags=None):
+        """Name of the first module (in finishing order) flagged, or None."""
+        flags = (self.flags if flags is None else flags).tolist()
+        return next((self.names[i] for i in self.finish_order if flags[i]), None)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 @CALLBACK_REGISTRY.register("nan_guard")
 class NanGuard(Callback):
-    def __init__(self, max_consecutive: int = 3):
+    def __init__(self, max_consecutive: int = 3, trace_outputs: bool = True):
         if not isinstance(max_consecutive, int) or max_consecutive < 1:
             raise TypeError(f"max_consecutive: expected an integer >= 1, got {max_consecutive!r}")
+        if not isinstance(trace_outputs, bool):
+            raise TypeError(f"trace_outputs: expected true or false, got {trace_outputs!r}")
         self.max_consecutive = max_consecutive
+        self.trace_outputs = trace_outputs
+        self.outputs = None
         self.consecutive = 0
         self.skipped_total = 0
 
@@ -34,6 +70,8 @@ class NanGuard(Callback):
         for i, (_, p) in enumerate(params):
             p.register_hook(functools.partial(self._check_grad, i))
         self.skipped_before = trainer.engine.skipped_steps
+        if self.trace_outputs:
+            self.outputs = NonFiniteOutputs(trainer.engine.module, trainer.device)
 
     def _check_grad(self, i, grad):
         self.bad[i] = torch.maximum(self.bad[i], (~torch.isfinite(grad).all()).float())
@@ -48,12 +86,19 @@ class NanGuard(Callback):
         if not skipped:
             self.consecutive = 0
             self.bad.zero_()
+            if self.outputs is not None:
+                self.outputs.flags.zero_()
             return
         dist.all_reduce(self.bad, op=dist.ReduceOp.MAX)
         flags = self.bad.tolist()
         first = next((self.names[i] for i, f in enumerate(flags[:-1]) if f), None)
         what = ("non-finite loss" if flags[-1] else "non-finite gradient") + \
             (f", first non-finite gradient: {first}" if first else "")
+        if self.outputs is not None:
+            dist.all_reduce(self.outputs.flags, op=dist.ReduceOp.MAX)
+            module = self.outputs.first()
+            what += f", first non-finite output: {module}" if module else ""
+            self.outputs.flags.zero_()
         self.consecutive += 1
         self.skipped_total += 1
         trainer.logger.log_event({"step": step, "skipped_step": True, "reason": what,

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.train import checkpoint
@@ -118,6 +119,8 @@ class Trainer:
             self.evaluate()
         loader = train_loader(self.sources.train, self.layout, self.dp_size, self.dp_rank,
                               self.step, stop, self.cfg.data.num_workers)
+        for cb in self.callbacks.callbacks:
+            loader = cb.wrap_loader(self, loader)
         batches = iter(loader)
         window_losses, window_start = [], time.perf_counter()
         while self.step < stop:
@@ -126,11 +129,14 @@ class Trainer:
             step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for micro in range(self.layout["accum"]):
                 batch = next(batches).to(self.device, non_blocking=True)
-                loss = self.engine(batch[:, :-1], batch[:, 1:])
+                with record_function("dr_scale.forward"):
+                    loss = self.engine(batch[:, :-1], batch[:, 1:])
                 self.last_loss = loss.detach()
-                self.engine.backward(loss)
+                with record_function("dr_scale.backward"):
+                    self.engine.backward(loss)
                 self.callbacks.fire("after_backward", self, self.step, micro)
-                self.engine.step()
+                with record_function("dr_scale.optimizer_step"):
+                    self.engine.step()
                 step_loss += loss.detach().float()
             self.step += 1
             window_losses.append(step_loss / self.layout["accum"])

@@ -1,0 +1,71 @@
+"""torch.profiler over a window of training steps: a Chrome/Perfetto trace per profiled rank and
+a table of the most expensive operators, in `<run>/profiles/`.
+
+    callbacks:
+      step_profiler: {enabled: true, start_step: 5, steps: 2, ranks: [0]}
+
+The trainer marks its phases (dr_scale.forward, dr_scale.backward, dr_scale.optimizer_step) with
+record_function, so the trace shows them as named ranges.
+"""
+import torch
+import torch.distributed as dist
+
+from dr_scale.registry import CALLBACK_REGISTRY
+from dr_scale.train.callbacks import Callback
+
+
+def _nonneg_int(name, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TypeError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@CALLBACK_REGISTRY.register("step_profiler")
+class StepProfiler(Callback):
+    def __init__(self, start_step: int = 3, steps: int = 2, ranks=(0,), record_shapes: bool = False,
+                 profile_memory: bool = False, with_stack: bool = False, table_rows: int = 25):
+        self.start_step = _nonneg_int("start_step", start_step)
+        self.steps = _nonneg_int("steps", steps, 1)
+        if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
+            raise TypeError(f"ranks: expected a list of rank numbers, got {ranks!r}")
+        self.ranks = set(ranks)
+        self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory,
+                            with_stack=with_stack)
+        self.table_rows = _nonneg_int("table_rows", table_rows, 1)
+        self.prof = None
+        self.written = None  # (trace path, table path) once written
+
+    def before_step(self, trainer, step):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if step != self.start_step or rank not in self.ranks or self.prof is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if trainer.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities, **self.options)
+        self.prof.__enter__()
+        self.first, self.rank = step + 1, rank
+
+    def after_step(self, trainer, step, record):
+        if self.prof is not None and self.written is None and step >= self.start_step + self.steps:
+            self._write(trainer, step)
+
+    def on_exit(self, trainer):
+        if self.prof is not None and self.written is None:  # the run ended inside the window
+            self._write(trainer, trainer.step)
+
+    def _write(self, trainer, last):
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        out = trainer.run_dir / "profiles"
+        out.mkdir(exist_ok=True)
+        stem = f"steps_{self.first:06d}-{last:06d}_rank{self.rank}"
+        trace, table = out / f"{stem}.trace.json", out / f"{stem}.txt"
+        self.prof.export_chrome_trace(str(trace))
+        sort = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
+        table.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=self.table_rows)
+                         + "\n")
+        self.written = (trace, table)
+        print(f"dr_scale: step profile of steps {self.first}-{last} on rank {self.rank}: "
+              f"{trace} (open in https://ui.perfetto.dev), {table}", flush=True)
