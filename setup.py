@@ -31,7 +31,7 @@ setup(
         "wandb": ["wandb>=0.16"],
         "megatron": ["megatron-core>=0.9"],
         "triton": ["triton>=3.0"],
-        "dev": ["pytest>=8", "hypothesis>=6", "tensorboard>=2.14", "wandb>=0.16", "transformers>=4.40",
+        "dev": ["pytest>=8", "hypothesis>=6", "triton>=3.0", "tensorboard>=2.14", "wandb>=0.16", "transformers>=4.40",
                 "safetensors>=0.4"],
     },
     entry_points={"console_scripts": ["dr-scale=dr_scale.cli:main"]},

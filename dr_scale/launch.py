@@ -214,6 +214,7 @@ def run(args):
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
+    shape, kernels_line = select_kernels(shape, cfg.model, device.type, dsc.precision(ds))
 
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -251,6 +252,7 @@ def run(args):
                 f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
                 f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} ranks = "
                 f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
+    logger.info(kernels_line)
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
     engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
@@ -279,6 +281,36 @@ def close_distributed():
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def select_kernels(shape, model_cfg, device_type: str, precision: str):
+    """Settle `model.attention` (auto: the best available) and every op's implementation for this
+    process; returns the shape with a concrete attention name and the line that says the choices."""
+    import dataclasses
+
+    from dr_scale.kernels import ops
+    from dr_scale.kernels.registry import select
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    unknown = sorted(set(model_cfg.kernels) - set(ops.OPS))
+    if unknown:
+        raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
+    try:
+        line = ops.use_kernels(device_type, dtype, model_cfg.kernels)
+    except DrScaleError as e:
+        raise DrScaleError(f"model.{e}") from None
+    name = shape.attention
+    from dr_scale.kernels.registry import KERNELS
+
+    if name != "auto" and name not in KERNELS["attention"]:  # user-registered: used as named
+        return shape, f"{line}, attention={name}"
+    try:
+        kernel = select("attention", device_type, dtype, force=None if name == "auto" else name,
+                        head_dim=shape.head_dim)
+    except DrScaleError as e:
+        raise DrScaleError(f"model.attention: {str(e).split(': ', 1)[-1]}") from None
+    shape = dataclasses.replace(shape, attention=kernel.name)
+    return shape, f"{line}, attention={kernel.name}"
 
 
 def check_precision(ds: dict, ds_path):

@@ -21,6 +21,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GeLU (tanh approximation, as GPT-2) of x + bias, computed in fp32."""
+    return F.gelu(x.float() + bias.float(), approximate="tanh").to(x.dtype)
+
+
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None):
     """cos and sin of shape (seq, head_dim), in the half-split layout Llama checkpoints use."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)

@@ -1,6 +1,14 @@
 import os
-import signal
-import socket
+
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter; the flag must be set before any
+# @triton.jit function is defined. On a machine with a GPU they run for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import signal  # noqa: E402
+import socket  # noqa: E402
 import subprocess
 import sys
 from pathlib import Path

@@ -20,7 +20,9 @@ class ModelConfig(Section):
     tie_embeddings: Optional[bool] = None
     norm_eps: Optional[float] = field(None, min=0.0)
     rope_theta: Optional[float] = field(None, min=1.0)
-    attention: str = field("sdpa", help="name in ATTENTION_REGISTRY")
+    attention: str = field("sdpa", help="name in ATTENTION_REGISTRY, or auto (best available)")
+    kernels: Dict[str, str] = field(factory=dict, help="op -> implementation (default auto): "
+                                    "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")
     dropout: float = field(0.0, min=0.0, max=1.0)
     init_std: float = field(0.02, min=0.0)
     pad_vocab_multiple: int = field(64, min=1)

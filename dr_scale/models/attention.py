@@ -16,3 +16,11 @@ def sdpa_attention(q, k, v, causal=True, dropout_p=0.0, training=False):
 @ATTENTION_REGISTRY.register("eager")
 def eager_attention(q, k, v, causal=True, dropout_p=0.0, training=False):
     return reference.attention(q, k, v, causal=causal, dropout_p=dropout_p, training=training)
+
+
+@ATTENTION_REGISTRY.register("triton_flash")
+def triton_flash_attention(q, k, v, causal=True, dropout_p=0.0, training=False):
+    """Flash attention in Triton (kernels/triton): CUDA, or CPU under TRITON_INTERPRET=1."""
+    from dr_scale.kernels.builtin import attention_triton
+
+    return attention_triton(q, k, v, causal=causal, dropout_p=dropout_p, training=training)

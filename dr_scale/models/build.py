@@ -70,7 +70,11 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
                            f"{source}.num_kv_heads={shape.num_kv_heads}")
     if shape.arch == "llama" and shape.head_dim % 2:
         raise DrScaleError(f"{source}: head dim {shape.head_dim} must be even for rotary embeddings")
-    ATTENTION_REGISTRY.get(shape.attention)  # unknown names list the known ones
+    if shape.attention != "auto":  # auto is settled at start, once the device is known
+        try:
+            ATTENTION_REGISTRY.get(shape.attention)
+        except DrScaleError as e:
+            raise DrScaleError(f"{source}.attention: {e}") from None
     return shape
 
 

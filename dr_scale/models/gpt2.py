@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from dr_scale.kernels import reference
+from dr_scale.kernels import ops
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, init_weights
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -45,4 +45,4 @@ class GPT2LMHeadModel(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits
-        return reference.cross_entropy(logits, labels)
+        return ops.cross_entropy(logits, labels)

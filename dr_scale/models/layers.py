@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from dr_scale.kernels import reference
+from dr_scale.kernels import ops, reference
 from dr_scale.registry import ATTENTION_REGISTRY, NORM_REGISTRY
 
 
@@ -17,13 +17,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return reference.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 @NORM_REGISTRY.register("layernorm")
 class LayerNorm(nn.LayerNorm):
     def forward(self, x):
-        return reference.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class Rotary(nn.Module):
@@ -60,7 +60,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if rotary is not None:
             cos, sin = rotary
-            q, k = reference.apply_rotary(q, cos, sin), reference.apply_rotary(k, cos, sin)
+            q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -73,7 +73,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn, d, bias=False)
 
     def forward(self, x):
-        return self.down_proj(reference.swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class GeluMLP(nn.Module):
@@ -83,7 +83,8 @@ class GeluMLP(nn.Module):
         self.fc_out = nn.Linear(ffn, d)
 
     def forward(self, x):
-        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+        # the bias is added inside the fused kernel, not by the matmul
+        return self.fc_out(ops.bias_gelu(F.linear(x, self.fc_in.weight), self.fc_in.bias))
 
 
 # Projections that write into the residual stream; scaled at init (GPT-2 / Megatron practice).

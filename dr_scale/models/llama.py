@@ -6,7 +6,7 @@ export and import are a copy, not a translation.
 import torch
 from torch import nn
 
-from dr_scale.kernels import reference
+from dr_scale.kernels import ops
 from dr_scale.models.layers import RMSNorm, Rotary, SelfAttention, SwiGLU, init_weights
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -54,4 +54,4 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         if labels is None:
             return logits
-        return reference.cross_entropy(logits, labels)
+        return ops.cross_entropy(logits, labels)

@@ -1,0 +1,137 @@
+// Thin torch binding over the C launchers in dr_kernels.h: checks and allocation. The caller
+// passes the current CUDA stream as an integer (torch.cuda.current_stream().cuda_stream), which
+// keeps this file free of torch's CUDA headers: it then compiles against any torch build, so CI
+// (CPU-only torch) checks it too. The autograd wiring lives in Python (kernels/cuda/__init__.py).
+#include <torch/extension.h>
+#include "dr_kernels.h"
+
+namespace {
+
+int dtype_code(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return 0;
+    case torch::kBFloat16: return 1;
+    case torch::kFloat16: return 2;
+    default: TORCH_CHECK(false, "dr_scale cuda kernels: unsupported dtype ", t.scalar_type());
+  }
+  return -1;
+}
+
+void check(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+void ok(cudaError_t e) { TORCH_CHECK(e == cudaSuccess, "dr_scale cuda kernel: ", cudaGetErrorString(e)); }
+
+cudaStream_t as_stream(int64_t s) { return reinterpret_cast<cudaStream_t>(s); }
+
+constexpr int64_t kRowChunk = 512;  // matches norms.cu
+
+std::vector<torch::Tensor> rms_norm_fwd(torch::Tensor x, torch::Tensor w, double eps, int64_t stream) {
+  check(x, "x"); check(w, "weight");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto y = torch::empty_like(x);
+  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+  ok(dr_rms_norm_fwd(dtype_code(x), x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                     rstd.data_ptr<float>(), rows, cols, (float)eps, as_stream(stream)));
+  return {y, rstd};
+}
+
+std::vector<torch::Tensor> rms_norm_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor w,
+                                        torch::Tensor rstd, int64_t stream) {
+  check(dy, "dy"); check(x, "x");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto dx = torch::empty_like(x);
+  auto partial = torch::empty({(rows + kRowChunk - 1) / kRowChunk, cols},
+                              x.options().dtype(torch::kFloat32));
+  ok(dr_rms_norm_bwd(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                     rstd.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(), rows,
+                     cols, as_stream(stream)));
+  return {dx, partial.sum(0).to(w.scalar_type())};
+}
+
+std::vector<torch::Tensor> layer_norm_fwd(torch::Tensor x, torch::Tensor w, torch::Tensor b,
+                                          double eps, int64_t stream) {
+  check(x, "x"); check(w, "weight"); check(b, "bias");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto y = torch::empty_like(x);
+  auto mean = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+  auto rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+  ok(dr_layer_norm_fwd(dtype_code(x), x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(),
+                       mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, cols, (float)eps,
+                       as_stream(stream)));
+  return {y, mean, rstd};
+}
+
+std::vector<torch::Tensor> layer_norm_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor w,
+                                          torch::Tensor mean, torch::Tensor rstd, int64_t stream) {
+  check(dy, "dy"); check(x, "x");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto dx = torch::empty_like(x);
+  auto opts = x.options().dtype(torch::kFloat32);
+  auto dw = torch::empty({(rows + kRowChunk - 1) / kRowChunk, cols}, opts);
+  auto db = torch::empty_like(dw);
+  ok(dr_layer_norm_bwd(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
+                       mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
+                       dw.data_ptr<float>(), db.data_ptr<float>(), rows, cols, as_stream(stream)));
+  return {dx, dw.sum(0).to(w.scalar_type()), db.sum(0).to(w.scalar_type())};
+}
+
+torch::Tensor swiglu_fwd(torch::Tensor gate, torch::Tensor up, int64_t stream) {
+  check(gate, "gate"); check(up, "up");
+  auto y = torch::empty_like(gate);
+  ok(dr_swiglu_fwd(dtype_code(gate), gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel(),
+                   as_stream(stream)));
+  return y;
+}
+
+std::vector<torch::Tensor> swiglu_bwd(torch::Tensor dy, torch::Tensor gate, torch::Tensor up, int64_t stream) {
+  check(dy, "dy");
+  auto dgate = torch::empty_like(gate), dup = torch::empty_like(up);
+  ok(dr_swiglu_bwd(dtype_code(gate), dy.data_ptr(), gate.data_ptr(), up.data_ptr(),
+                   dgate.data_ptr(), dup.data_ptr(), gate.numel(), as_stream(stream)));
+  return {dgate, dup};
+}
+
+torch::Tensor bias_gelu_fwd(torch::Tensor x, torch::Tensor bias, int64_t stream) {
+  check(x, "x"); check(bias, "bias");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto y = torch::empty_like(x);
+  ok(dr_bias_gelu_fwd(dtype_code(x), x.data_ptr(), bias.data_ptr(), y.data_ptr(), rows, cols,
+                      as_stream(stream)));
+  return y;
+}
+
+torch::Tensor bias_gelu_bwd(torch::Tensor dy, torch::Tensor x, torch::Tensor bias, int64_t stream) {
+  check(dy, "dy");
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  auto dx = torch::empty_like(x);
+  ok(dr_bias_gelu_bwd(dtype_code(x), dy.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(),
+                      rows, cols, as_stream(stream)));
+  return dx;
+}
+
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, double sign, int64_t stream) {
+  check(x, "x"); check(cos, "cos"); check(sin, "sin");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32, "cos/sin tables must be fp32");
+  const int64_t head_dim = x.size(-1), seq = x.size(-2), rows = x.numel() / head_dim;
+  auto y = torch::empty_like(x);
+  ok(dr_rotary(dtype_code(x), x.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+               y.data_ptr(), rows, seq, head_dim, (float)sign, as_stream(stream)));
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_fwd", &rms_norm_fwd);
+  m.def("rms_norm_bwd", &rms_norm_bwd);
+  m.def("layer_norm_fwd", &layer_norm_fwd);
+  m.def("layer_norm_bwd", &layer_norm_bwd);
+  m.def("swiglu_fwd", &swiglu_fwd);
+  m.def("swiglu_bwd", &swiglu_bwd);
+  m.def("bias_gelu_fwd", &bias_gelu_fwd);
+  m.def("bias_gelu_bwd", &bias_gelu_bwd);
+  m.def("rotary", &rotary);
+}

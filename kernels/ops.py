@@ -1,0 +1,68 @@
+"""The ops the model calls. Each dispatches to the implementation chosen for this process by
+`use_kernels` (the launcher does it once at start, from `model.kernels`); until then, the torch
+reference. Kept as module-level functions so the model stays plain PyTorch.
+"""
+from typing import Dict, Optional
+
+from dr_scale.kernels import reference
+from dr_scale.kernels.registry import TORCH, Kernel, describe, select
+
+OPS = ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rotary", "cross_entropy")
+_active = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
+           "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
+           "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy}
+_chosen: Dict[str, Kernel] = {}
+
+
+def use_kernels(device_type: str, dtype=None, forced: Optional[Dict[str, str]] = None) -> str:
+    """Choose every op's implementation: the forced name where given (one-line error if it cannot
+    run here), else the best available. Returns the line to print once at start."""
+    forced = dict(forced or {})
+    for op in OPS:
+        choice = forced.get(op, "auto")
+        kernel = select(op, device_type, dtype, force=None if choice == "auto" else choice)
+        _chosen[op] = kernel
+        _active[op] = _checked(kernel)
+    return describe(_chosen)
+
+
+def reset():
+    """Back to the torch references (tests)."""
+    _chosen.clear()
+    _active.update(rms_norm=reference.rms_norm, layer_norm=reference.layer_norm,
+                   swiglu=reference.swiglu, bias_gelu=reference.bias_gelu,
+                   rotary=reference.apply_rotary, cross_entropy=reference.cross_entropy)
+
+
+def _checked(kernel: Kernel):
+    if kernel.priority <= TORCH:  # the torch reference accepts every float dtype: no check
+        return kernel.fn
+
+    def call(x, *args, **kwargs):
+        kernel.policy.check(kernel.op, kernel.name, x)
+        return kernel.fn(x, *args, **kwargs)
+    return call
+
+
+def rms_norm(x, weight, eps):
+    return _active["rms_norm"](x, weight, eps)
+
+
+def layer_norm(x, weight, bias, eps):
+    return _active["layer_norm"](x, weight, bias, eps)
+
+
+def swiglu(gate, up):
+    return _active["swiglu"](gate, up)
+
+
+def bias_gelu(x, bias):
+    return _active["bias_gelu"](x, bias)
+
+
+def apply_rotary(x, cos, sin):
+    return _active["rotary"](x, cos, sin)
+
+
+def cross_entropy(logits, labels, ignore_index: int = -100):
+    return _active["cross_entropy"](logits, labels, ignore_index)

@@ -1,0 +1,79 @@
+"""Kernel registry: per op, the implementations with the devices, dtypes and shapes each
+supports. `select` picks the best available one (fused CUDA > Triton > apex > torch), or the one
+forced by name; the model says its choices once at start (`describe`).
+
+    @register_kernel("rms_norm", "cuda_fused", priority=CUDA, devices=("cuda",), policy=NORM,
+                     available=cuda_extension_available)
+    def rms_norm_cuda(x, weight, eps): ...
+"""
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+from dr_scale.errors import DrScaleError
+from dr_scale.kernels.policy import PrecisionPolicy, dtype_name
+
+CUDA, TRITON, APEX, TORCH = 40, 30, 20, 10  # priorities: higher wins
+
+
+@dataclass
+class Kernel:
+    op: str
+    name: str
+    fn: Callable
+    priority: int
+    devices: Tuple[str, ...]
+    policy: PrecisionPolicy
+    available: Callable[[], Optional[str]]            # None, or why it cannot run here
+    supports: Callable[..., Optional[str]]            # None, or why it cannot take this shape
+    auto_devices: Tuple[str, ...]                     # where `auto` may pick it
+
+    def why_not(self, device_type: str, dtype=None, **shape) -> Optional[str]:
+        if device_type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device_type}"
+        if dtype is not None and dtype not in self.policy.inputs:
+            return f"its precision policy excludes {dtype_name(dtype)}"
+        return self.available() or self.supports(**shape)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+KERNELS: Dict[str, Dict[str, Kernel]] = {}
+
+
+def register_kernel(op, name, *, priority, devices, policy, available=None, supports=None,
+                    auto_devices=None):
+    def deco(fn):
+        KERNELS.setdefault(op, {})[name] = Kernel(
+            op, name, fn, priority, tuple(devices), policy, available or (lambda: None),
+            supports or (lambda **_: None), tuple(auto_devices or devices))
+        return fn
+    return deco
+
+
+def select(op: str, device_type: str, dtype=None, force: Optional[str] = None, **shape) -> Kernel:
+    _load_builtin()
+    if op not in KERNELS:
+        raise DrScaleError(f"kernels: unknown op '{op}'; known: {', '.join(sorted(KERNELS))}")
+    impls = KERNELS[op]
+    if force:
+        if force not in impls:
+            raise DrScaleError(f"kernels.{op}: unknown implementation '{force}'; known: "
+                               f"{', '.join(sorted(impls))}")
+        reason = impls[force].why_not(device_type, dtype, **shape)
+        if reason:
+            raise DrScaleError(f"kernels.{op}={force}: cannot run here: {reason}")
+        return impls[force]
+    for k in sorted(impls.values(), key=lambda k: -k.priority):
+        if device_type in k.auto_devices and k.why_not(device_type, dtype, **shape) is None:
+            return k
+    raise DrScaleError(f"kernels.{op}: no implementation runs on {device_type}")
+
+
+def describe(choices: Dict[str, Kernel]) -> str:
+    return "kernels: " + ", ".join(f"{op}={k.name}" for op, k in choices.items())
+
+
+def _load_builtin():
+    """Importing the implementation modules registers them."""
+    from dr_scale.kernels import builtin  # noqa: F401

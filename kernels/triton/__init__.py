@@ -1,0 +1,97 @@
+"""Triton kernels: flash attention and fused cross-entropy, each an autograd function checked
+against its precision policy. They run on CUDA devices, and on CPU tensors under
+TRITON_INTERPRET=1 (the Triton interpreter: slow, for tests)."""
+import os
+
+import torch
+
+from dr_scale.errors import DrScaleError
+from dr_scale.kernels import policy
+
+
+def unavailable_reason():
+    """None where Triton kernels can run, else why not."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU through the interpreter"
+
+
+def _check_device(op, *tensors):
+    reason = unavailable_reason()
+    if reason:
+        raise DrScaleError(f"kernels.{op}=triton: {reason}")
+    if tensors[0].device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise DrScaleError(f"kernels.{op}=triton: CPU tensors need TRITON_INTERPRET=1")
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        from dr_scale.kernels.triton import attention_kernels as fa
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = fa.forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from dr_scale.kernels.triton import attention_kernels as fa
+
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = fa.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q, k, v, causal: bool = True, scale=None):
+    """softmax(q k^T * scale [causal]) v. q: (batch, heads, seq_q, head_dim); k, v: (batch,
+    kv_heads, seq_k, head_dim) with heads a multiple of kv_heads; head_dim <= 128."""
+    policy.ATTENTION.check("attention", "triton_flash", q, k, v)
+    _check_device("attention", q)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise DrScaleError(f"flash_attention: expected q (b, h, s, d) and k, v of one shape "
+                           f"(b, kv_h, s, d); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                           f"{tuple(v.shape)}")
+    (b, h, sq, d), (bk, hk, sk, dk) = q.shape, k.shape
+    if b != bk or d != dk or h % hk:
+        raise DrScaleError(f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} need the "
+                           f"same batch and head_dim, and heads a multiple of kv_heads")
+    if d > 128:
+        raise DrScaleError(f"flash_attention: head_dim {d} > 128 is not supported")
+    return _FlashAttention.apply(q, k, v, causal, d ** -0.5 if scale is None else float(scale))
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index):
+        from dr_scale.kernels.triton import cross_entropy_kernels as ce
+
+        logits = logits.contiguous()
+        losses, lse = ce.forward(logits, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.ignore_index = ignore_index
+        return losses
+
+    @staticmethod
+    def backward(ctx, dlosses):
+        from dr_scale.kernels.triton import cross_entropy_kernels as ce
+
+        logits, targets, lse = ctx.saved_tensors
+        return ce.backward(dlosses, logits, targets, lse, ctx.ignore_index), None, None
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100):
+    """Mean token cross-entropy over targets != ignore_index, from (tokens, vocab) logits; the
+    log-sum-exp and loss in fp32, the gradient written in the logits' dtype."""
+    policy.CROSS_ENTROPY.check("cross_entropy", "triton_fused", logits)
+    _check_device("cross_entropy", logits)
+    logits2 = logits.reshape(-1, logits.shape[-1])
+    targets1 = targets.reshape(-1)
+    losses = _CrossEntropy.apply(logits2, targets1, ignore_index)
+    count = (targets1 != ignore_index).sum().clamp(min=1)
+    return losses.sum() / count

@@ -1,0 +1,61 @@
+"""Kernel registry and dispatch: the best available implementation per op, forced choices, and
+one-line errors for what cannot run here."""
+import pytest
+import torch
+
+from dr_scale.errors import DrScaleError
+from dr_scale.kernels import ops, reference
+from dr_scale.kernels.registry import KERNELS, select
+
+
+@pytest.fixture(autouse=True)
+def _reset_ops():
+    yield
+    ops.reset()
+
+
+def test_every_op_has_a_torch_reference_and_a_faster_implementation():
+    select("rms_norm", "cpu")  # loads the built-in registrations
+    for op in ops.OPS:
+        names = set(KERNELS[op])
+        assert "torch" in names, op
+        assert names & {"cuda_fused", "triton_fused"}, op
+    assert {"triton_flash", "sdpa", "eager"} <= set(KERNELS["attention"])
+
+
+def test_auto_on_cpu_picks_torch_and_never_the_interpreter():
+    line = ops.use_kernels("cpu", torch.bfloat16)
+    assert line == ("kernels: rms_norm=torch, layer_norm=torch, swiglu=torch, bias_gelu=torch, "
+                    "rotary=torch, cross_entropy=torch")
+    assert select("attention", "cpu", torch.bfloat16).name == "sdpa"
+
+
+def test_forced_choice_is_used_by_the_model_ops():
+    ops.use_kernels("cpu", torch.float32, {"cross_entropy": "triton_fused"})
+    logits, labels = torch.randn(6, 300), torch.randint(0, 300, (6,))
+    assert torch.allclose(ops.cross_entropy(logits, labels),
+                          reference.cross_entropy(logits, labels), rtol=1e-5)
+    assert ops._chosen["cross_entropy"].name == "triton_fused"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
+def test_what_cannot_run_here_is_one_line():
+    with pytest.raises(DrScaleError, match=r"^kernels.rms_norm=cuda_fused: cannot run here: runs "
+                                           r"on cuda, not cpu$"):
+        ops.use_kernels("cpu", torch.float32, {"rms_norm": "cuda_fused"})
+    with pytest.raises(DrScaleError, match=r"kernels.swiglu: unknown implementation 'fast'; "
+                                           r"known: cuda_fused, torch"):
+        ops.use_kernels("cpu", torch.float32, {"swiglu": "fast"})
+    with pytest.raises(DrScaleError, match="head_dim 256 > 128"):
+        select("attention", "cpu", torch.float32, force="triton_flash", head_dim=256)
+
+
+def test_launcher_errors_name_the_config_key(cache_dir, tmp_path):
+    from tests.conftest import launch
+    from tests.test_cli_errors import errors_of
+
+    proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "r",
+                   "model.kernels={layernorm: torch}"], 1, cache_dir, launcher="python", check=False)
+    assert proc.returncode == 2
+    assert errors_of(proc) == ("dr_scale: error: model.kernels.layernorm: unknown op; known: "
+                               "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")

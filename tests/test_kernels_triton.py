@@ -1,0 +1,108 @@
+"""Triton kernels against the torch reference, forward and gradients, under the policy's
+tolerances: on CPU through the Triton interpreter (TRITON_INTERPRET=1, set in conftest.py)."""
+import pytest
+import torch
+
+from dr_scale.errors import DrScaleError
+from dr_scale.kernels import cross_entropy, flash_attention, policy, reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_close(got, want, dtype, pol, what):
+    atol, rtol = pol.tol(dtype)
+    scale = want.abs().max().item()
+    err = (got.float() - want).abs().max().item()
+    assert err <= atol * max(1.0, scale) + rtol * scale, f"{what}: max error {err:.2e} (scale {scale:.2e})"
+
+
+@pytest.mark.parametrize("b, h, kvh, s, d, causal, dtype", [
+    (1, 2, 2, 64, 64, True, torch.float32),      # block multiple
+    (2, 4, 2, 33, 64, True, torch.float32),      # grouped-query, odd length
+    (1, 4, 1, 50, 64, False, torch.float32),     # multi-query, full attention
+    (1, 2, 2, 1, 64, True, torch.float32),       # a single token
+    (1, 2, 1, 40, 128, True, torch.float32),     # head_dim 128
+    (1, 2, 2, 23, 80, True, torch.float32),      # head_dim 80 (padded inside the kernel)
+    (1, 4, 2, 37, 64, True, torch.bfloat16),     # bf16: interpreter upcast path
+    (1, 2, 2, 29, 96, False, torch.float16),
+])
+def test_flash_attention_matches_reference(b, h, kvh, s, d, causal, dtype):
+    g = torch.Generator().manual_seed(s * d + h)
+    q, k, v = (torch.randn(b, n, s, d, generator=g).to(DEVICE, dtype) for n in (h, kvh, kvh))
+    do = torch.randn(b, h, s, d, generator=g).to(DEVICE, dtype)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out = flash_attention(q, k, v, causal=causal)
+    out.backward(do)
+    # Reference: eager attention in fp32 on the same (rounded) inputs.
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=causal)
+    ref.backward(do.float())
+    assert out.dtype == dtype and out.shape == q.shape
+    pol = policy.ATTENTION
+    assert_close(out, ref, dtype, pol, "output")
+    for name, got, want in (("dq", q.grad, q32.grad), ("dk", k.grad, k32.grad),
+                            ("dv", v.grad, v32.grad)):
+        assert got.dtype == dtype
+        assert_close(got, want, dtype, pol, name)
+
+
+@pytest.mark.parametrize("tokens, vocab, dtype", [(7, 2500, torch.float32), (16, 256, torch.float32),
+                                                  (9, 515, torch.bfloat16)])
+def test_cross_entropy_matches_reference(tokens, vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    logits = (4 * torch.randn(tokens, vocab, generator=g)).to(DEVICE, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(DEVICE)
+    labels[1] = -100  # ignored
+    loss = cross_entropy(logits, labels)
+    loss.backward()
+    l32 = logits.detach().float().requires_grad_()
+    ref = reference.cross_entropy(l32, labels)
+    ref.backward()
+    assert loss.dtype == torch.float32
+    pol = policy.CROSS_ENTROPY
+    assert_close(loss.detach().reshape(1), ref.detach().reshape(1), dtype, pol, "loss")
+    assert_close(logits.grad, l32.grad, dtype, pol, "dlogits")
+    assert logits.grad[1].abs().max() == 0  # the ignored row gets no gradient
+
+
+def test_outside_the_policy_is_one_line():
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    with pytest.raises(DrScaleError, match=r"^kernels.attention=triton_flash: fp64 inputs are "
+                                           r"outside its precision policy \(accepts fp32, bf16, fp16\)$"):
+        flash_attention(q, q, q)
+    with pytest.raises(DrScaleError, match="inputs must share one dtype, got bf16, fp32"):
+        flash_attention(q.float(), q.bfloat16(), q.bfloat16())
+    bf16_only = policy.PrecisionPolicy(inputs=(torch.bfloat16,))
+    with pytest.raises(DrScaleError, match="fp16 inputs are outside its precision policy"):
+        bf16_only.check("op", "impl", torch.zeros(2, dtype=torch.float16))
+    with pytest.raises(DrScaleError, match="heads a multiple of kv_heads"):
+        flash_attention(torch.randn(1, 3, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64))
+
+
+def test_tiny_model_trains_with_triton_kernels_like_sdpa(cache_dir, tmp_path):
+    """The tiny preset through the real launcher with model.attention=triton_flash and the fused
+    cross-entropy (interpreter on CPU), against the same run with SDPA and the torch loss."""
+    import json
+
+    from tests.conftest import launch
+    from tests.test_train_distributed import fp32_config
+
+    args = ["--ds_config", fp32_config(tmp_path, 1), "data.seq_length=32", "train.max_steps=3",
+            "train.log_interval=1", "train.eval_interval=100", "train.save_interval=100",
+            "train.eval_samples=2", "train.micro_batch_size=2", "train.global_batch_size=2",
+            "train.warmup_steps=0", "train.lr=3e-3", "logging.plot=false"]
+    losses = {}
+    for name, extra in (("sdpa", []), ("triton", ["model.attention=triton_flash",
+                                                  "model.kernels={cross_entropy: triton_fused}"])):
+        run = tmp_path / name
+        proc = launch(["--run_dir", run, *args, *extra], 1, cache_dir, launcher="python")
+        if name == "triton":
+            assert "cross_entropy=triton_fused, attention=triton_flash" in proc.stdout
+        recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in recs if "loss" in r] + \
+            [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert len(losses["sdpa"]) == 5  # 3 steps + evaluation at 0 and 3
+    assert losses["sdpa"][2] < losses["sdpa"][0] - 0.05  # it does learn over these steps
+    atol, rtol = policy.ATTENTION.tol(torch.float32)
+    for a, b in zip(losses["triton"], losses["sdpa"]):
+        assert abs(a - b) <= rtol * abs(b), (losses["triton"], losses["sdpa"])
