@@ -4,6 +4,7 @@
     dr-scale preprocess --input a.jsonl --tokenizer tok.model --out data/corpus
     dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema]
     dr-scale presets
+    dr-scale estimate   --ds_config zero3 --ranks 8 [--config Y] [dotted.key=value ...] [--json]
 """
 import argparse
 import sys
@@ -71,6 +72,39 @@ def cmd_presets(a):
         print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {flops_per_token(shape, 2048) / 1e9:>18.2f}")
 
 
+def cmd_estimate(a):
+    import json
+
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+    from dr_scale.parallel.estimate import estimate_for_run
+    from dr_scale.train.metrics import format_bytes
+
+    cfg = load_config(a.config, a.overrides)
+    path = dsc.resolve_path(a.ds_config)
+    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
+    if a.ranks % (tp * pp):
+        raise DrScaleError(f"--ranks {a.ranks}: not a multiple of parallel.tensor_parallel x "
+                           f"parallel.pipeline_parallel = {tp * pp}")
+    ds = dsc.fill(dsc.read_json(path), cfg, a.ranks // (tp * pp), source=str(path))
+    est = estimate_for_run(cfg, ds, a.ranks, a.device)
+    if a.json:
+        print(json.dumps({"preset": cfg.model.preset, "ds_config": str(path), "ranks": a.ranks,
+                          "tensor_parallel": tp, "pipeline_parallel": pp,
+                          "micro_batch_size": cfg.train.micro_batch_size,
+                          "seq_length": cfg.data.seq_length,
+                          "activation_checkpointing": cfg.parallel.activation_checkpointing,
+                          "bytes_per_rank": est.as_dict()}, indent=2))
+        return
+    print(f"{cfg.model.preset} on {a.ranks} {a.device} rank(s), {path.name}, TP {tp} x PP {pp}, "
+          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length} tokens, "
+          f"checkpointing {cfg.parallel.activation_checkpointing}; per rank:")
+    for key, value in est.as_dict().items():
+        if key == "host_offload" and not value:
+            continue
+        print(f"  {key:<17} {format_bytes(value):>12}")
+
+
 def build_parser():
     p = _Parser(prog="dr-scale", description="dr_scale side jobs")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -95,6 +129,14 @@ def build_parser():
     ex.set_defaults(fn=cmd_export)
     pr = sub.add_parser("presets", help="list model presets with sizes")
     pr.set_defaults(fn=cmd_presets)
+    es = sub.add_parser("estimate", help="predict per-rank memory of a run (no model allocated)")
+    es.add_argument("--ds_config", required=True, help="a name in ds_configs/ or a path")
+    es.add_argument("--config", default=None, help="experiment YAML")
+    es.add_argument("--ranks", type=int, default=1, help="world size")
+    es.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    es.add_argument("--json", action="store_true")
+    es.add_argument("overrides", nargs="*", help="dotted.key=value")
+    es.set_defaults(fn=cmd_estimate)
     return p
 
 

@@ -15,6 +15,8 @@ from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.errors import DrScaleError, TrainingStopped
+from dr_scale.parallel.tensor import autotp_section
+from dr_scale.parallel.topology import Topology
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
          "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
@@ -193,8 +195,11 @@ def run(args):
 
     device, local_world = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp_size, dp_rank = world, rank
-    ds = dsc.fill(dsc.read_json(ds_path), cfg, dp_size, source=str(ds_path))
+    topo = Topology(world, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
+    raw_ds = dsc.read_json(ds_path)
+    check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path)
+    dp_size, dp_rank = topo.data, topo.coords(rank)["data"]  # a TP group reads the same batches
+    ds = dsc.fill(raw_ds, cfg, dp_size, source=str(ds_path))
     layout = dsc.batch_layout(cfg.train, dp_size)
     check_precision(ds, ds_path)
     run_dir = choose_run_dir(run_dir, cfg, args.resume)
@@ -215,6 +220,8 @@ def run(args):
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
     shape, kernels_line = select_kernels(shape, cfg.model, device.type, dsc.precision(ds))
+    if topo.tensor > 1:
+        ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor))
 
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -224,6 +231,10 @@ def run(args):
 
         load_into(model, init_state, cfg.model.init_from)
     del init_state
+    from dr_scale.parallel import checkpointing
+
+    checkpointing.apply(model, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every,
+                        ds)
     n_params = count_parameters(model)
     fpt = flops_per_token(shape, cfg.data.seq_length)
     precision = dsc.precision(ds)
@@ -234,6 +245,7 @@ def run(args):
         snap_dir = run_dir / "resumes" / time.strftime("%Y%m%d-%H%M%S") if args.resume else run_dir
         write_snapshot(snap_dir, cfg, ds, {
             "world": {"world_size": world, "ranks_per_node": local_world, "data_parallel": dp_size,
+                      "tensor_parallel": topo.tensor, "pipeline_parallel": topo.pipeline,
                       "device": device.type, "backend": dist.get_backend()},
             "model": {"shape": shape.__dict__, "parameters": n_params, "flops_per_token": fpt},
             "data": {"tokenizer": str(sources.tokenizer.path),
@@ -250,13 +262,19 @@ def run(args):
     logger.info(f"dr_scale: {world} rank(s) ({local_world} on this node), {device.type}, "
                 f"{dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, {precision}; model "
                 f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
-                f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} ranks = "
+                f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} data-parallel = "
                 f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
-    logger.info(kernels_line)
+    logger.info(f"layout: {topo.describe()}; {kernels_line}")
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
+    mpu = None
+    if topo.tensor > 1:  # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
+        mpu = groups
     engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
-                                scheduler, ds_path)
+                                scheduler, ds_path, mpu)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
                       peak, device, callbacks, stop_at_step=args.stop_at_step,
                       resume_plan=resume_plan)
@@ -313,6 +331,17 @@ def select_kernels(shape, model_cfg, device_type: str, precision: str):
     return shape, f"{line}, attention={kernel.name}"
 
 
+def check_pipeline(topo, zero_stage: int, ds_path):
+    if topo.pipeline == 1:
+        return
+    if zero_stage >= 2:
+        raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero_stage} with "
+                           f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
+                           f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
+    raise DrScaleError(f"parallel.pipeline_parallel={topo.pipeline}: pipeline stages are not built "
+                       f"yet; use pipeline_parallel=1 (tensor_parallel and ZeRO-3 shard a model too)")
+
+
 def check_precision(ds: dict, ds_path):
     from deepspeed.accelerator import get_accelerator
 
@@ -347,11 +376,11 @@ def _dotted_path(ds: dict, loc) -> str:
     return search(ds, "") or ".".join(loc)
 
 
-def _initialize_engine(deepspeed, model, groups, ds, scheduler, ds_path):
+def _initialize_engine(deepspeed, model, groups, ds, scheduler, ds_path, mpu=None):
     """deepspeed.initialize, with DeepSpeed's own config complaints turned into one line."""
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds,
-                                               lr_scheduler=scheduler)
+                                               lr_scheduler=scheduler, mpu=mpu)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         errors = getattr(e, "errors", None)
         if callable(errors) and errors():

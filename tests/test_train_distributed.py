@@ -1,6 +1,8 @@
 """Real DeepSpeed engines on 2 CPU ranks over gloo, through the real launchers."""
 import json
+import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -115,12 +117,12 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
         assert ea == eb
 
 
-def test_torchrun_gives_the_same_losses_as_the_deepspeed_launcher(cache_dir, tmp_path):
+def test_launchers_and_two_nodes_give_the_same_losses(cache_dir, tmp_path):
+    """One world of 2 ranks started four ways: the DeepSpeed launcher on one node (reference),
+    torchrun on one node, and two nodes of one rank each through either launcher."""
     args = ["--ds_config", "zero2", *SHORT, "train.max_steps=10", "train.log_interval=1",
             "train.eval_interval=10", "train.save_interval=10"]
     launch(["--run_dir", tmp_path / "ds", *args], 2, cache_dir)
-    import os
-
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
     proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                            str(PRETRAIN), "--run_dir", str(tmp_path / "tr"), *args],
@@ -129,6 +131,33 @@ def test_torchrun_gives_the_same_losses_as_the_deepspeed_launcher(cache_dir, tmp
     a = [r["loss"] for r in records(tmp_path / "ds") if "loss" in r]
     b = [r["loss"] for r in records(tmp_path / "tr") if "loss" in r]
     assert len(a) == 10 and a == b
+
+    # The same world of 2 as two nodes of 1 rank on this machine, each node its own launcher
+    # process: DeepSpeed's launcher without ssh (a hostfile, --node_rank), and torchrun --nnodes 2.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    for name in ("ds_2nodes", "torchrun_2nodes"):
+        port = str(free_port())
+        if name == "ds_2nodes":
+            cmds = [["deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(n),
+                     "--master_addr", "127.0.0.1", "--master_port", port] for n in (0, 1)]
+        else:
+            cmds = [["torchrun", "--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "1",
+                     "--master_addr", "127.0.0.1", "--master_port", port] for n in (0, 1)]
+        nodes = [subprocess.Popen([*c, str(PRETRAIN), "--run_dir", str(tmp_path / name), *args],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True) for c in cmds]
+        try:
+            outs = [node.communicate(timeout=600) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+        for node, (out, err) in zip(nodes, outs):
+            assert node.returncode == 0, f"{name}: {(out + err)[-3000:]}"
+        assert "2 rank(s) (1 on this node)" in outs[0][0], outs[0][0][-2000:]
+        c = [r["loss"] for r in records(tmp_path / name) if "loss" in r]
+        assert c == a, name
 
 
 def test_accumulation_and_data_parallel_split_give_the_same_losses(cache_dir, tmp_path):

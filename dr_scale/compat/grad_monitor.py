@@ -27,5 +27,5 @@ class GradNormMonitor(Callback):
         norms = grad_norms(trainer.engine, grads)
         values, index = norms.topk(min(self.top_k, len(grads)))
         trainer.report("grad_norm_total", norms.pow(2).sum().sqrt())
-        trainer.report("grad_norm_top", [[grads[i].name, round(v, 6)]
+        trainer.report("grad_norm_top", [[grads[i].name, v]
                                          for i, v in zip(index.tolist(), values.tolist())])

@@ -26,10 +26,28 @@ class LocalGrad:
     grad: Optional[torch.Tensor]     # this rank's share (flat), None where it holds none
     partitioned: bool                # shares on the ranks sum (in squares) to the whole norm
     write: Optional[Callable]        # stores a modified share back, where `grad` is a copy
+    tp_sharded: bool = False         # a tensor-parallel slice: the norm sums over the TP group
+
+
+def tensor_parallel_params(engine) -> set:
+    """ids of parameters that tensor parallelism (DeepSpeed AutoTP) split across its group: the
+    weights of its parallel linears and the biases of the column-parallel ones."""
+    try:
+        from deepspeed.module_inject.layers import LinearAllreduce, TensorParallel_Layer
+    except ImportError:
+        return set()
+    ids = set()
+    for m in engine.module.modules():
+        if isinstance(m, TensorParallel_Layer):
+            for pname, p in m.named_parameters(recurse=False):
+                if pname == "weight" or not isinstance(m, LinearAllreduce):
+                    ids.add(id(p))
+    return ids
 
 
 def local_grads(engine) -> List[LocalGrad]:
     out = []
+    tp_ids = tensor_parallel_params(engine) if _tp_size(engine) > 1 else set()
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -52,7 +70,13 @@ def local_grads(engine) -> List[LocalGrad]:
             out.append(LocalGrad(name, g, True, None))
         else:
             out.append(LocalGrad(name, None if p.grad is None else p.grad.view(-1), False, None))
+        out[-1].tp_sharded = id(p) in tp_ids
     return out
+
+
+def _tp_size(engine) -> int:
+    size = getattr(engine, "autotp_size", None)
+    return size() if callable(size) else 1
 
 
 def _is_fragmented(engine) -> bool:
@@ -81,13 +105,20 @@ def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
             whole = [i for i, g in enumerate(grads) if not g.partitioned]
             sq[whole] = 0
         dist.all_reduce(sq, group=group)
+    sharded = [i for i, g in enumerate(grads) if g.tp_sharded]
+    if sharded:  # each tensor-parallel rank holds a different slice of these
+        from deepspeed.utils import groups
+
+        part = sq[sharded].clone()
+        dist.all_reduce(part, group=groups.get_tensor_model_parallel_group())
+        sq[sharded] = part
     return sq.sqrt() / loss_scale(engine)
 
 
 def _dp_group(engine):
-    group = getattr(engine, "seq_data_parallel_group", None) or \
+    """The data-parallel group (tensor-parallel ranks excluded)."""
+    return getattr(engine, "seq_data_parallel_group", None) or \
         getattr(engine, "data_parallel_group", None)
-    return group
 
 
 def scale_(grads: List[LocalGrad], factors: torch.Tensor):

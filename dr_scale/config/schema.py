@@ -78,10 +78,21 @@ class LoggingConfig(Section):
 
 
 @dataclass
+class ParallelConfig(Section):
+    # Data parallel is what remains: world / (tensor_parallel x pipeline_parallel).
+    tensor_parallel: int = field(1, min=1, help="ranks per tensor-parallel group (DeepSpeed AutoTP)")
+    pipeline_parallel: int = field(1, min=1, help="pipeline stages")
+    activation_checkpointing: str = field("none", choices=["none", "full", "selective"],
+                                          help="full: whole blocks; selective: attention only")
+    checkpoint_every: int = field(1, min=1, help="checkpoint every k-th block")
+
+
+@dataclass
 class RunConfig(Section):
     model: ModelConfig = field(factory=ModelConfig)
     data: DataConfig = field(factory=DataConfig)
     train: TrainConfig = field(factory=TrainConfig)
+    parallel: ParallelConfig = field(factory=ParallelConfig)
     logging: LoggingConfig = field(factory=LoggingConfig)
     callbacks: Dict[str, Any] = field(factory=dict, help="callbacks.<name>.enabled etc.")
     run_dir: Optional[str] = field(None, help="null: runs/<date>-<time>")

@@ -55,9 +55,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, rotary=None):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the projections' widths: under tensor parallelism each rank
+        # holds a slice of the heads, and the module need not know it.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
             cos, sin = rotary
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
@@ -83,8 +85,11 @@ class GeluMLP(nn.Module):
         self.fc_out = nn.Linear(ffn, d)
 
     def forward(self, x):
-        # the bias is added inside the fused kernel, not by the matmul
-        return self.fc_out(ops.bias_gelu(F.linear(x, self.fc_in.weight), self.fc_in.bias))
+        if type(self.fc_in) is nn.Linear:  # the bias goes into the fused kernel, not the matmul
+            return self.fc_out(ops.bias_gelu(F.linear(x, self.fc_in.weight), self.fc_in.bias))
+        # A parallel wrapper (tensor parallel) runs its own forward, communication included.
+        h = self.fc_in(x)
+        return self.fc_out(ops.bias_gelu(h, h.new_zeros(h.shape[-1])))
 
 
 # Projections that write into the residual stream; scaled at init (GPT-2 / Megatron practice).

@@ -158,7 +158,7 @@ class Trainer:
         """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
         losses = torch.stack(window_losses)
         dist.all_reduce(losses)
-        losses = losses / self.dp_size
+        losses = losses / dist.get_world_size()  # tensor-parallel ranks hold equal copies
         mem = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the fullest rank is the one that matters
         steps = len(window_losses)

@@ -1,0 +1,56 @@
+"""Activation checkpointing applied to a built model without changing its parameter names:
+the chosen modules' forward methods are wrapped so their activations are recomputed in the
+backward pass instead of kept.
+
+    none       keep everything
+    full       every k-th decoder block (parallel.checkpoint_every = k) keeps only its input
+    selective  only the attention of every k-th block (cheap to recompute, large to keep at
+               long sequences without flash attention)
+
+Recomputation goes through DeepSpeed's checkpointing (non-reentrant form), so the DeepSpeed
+config's `activation_checkpointing` section applies: `partition_activations` (split the kept
+inputs across tensor-parallel ranks) and `cpu_checkpointing` (keep them in host memory). Its RNG
+handling makes recomputed dropout masks equal to the first pass.
+"""
+import functools
+
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dr_scale.models.layers import SelfAttention
+
+
+def decoder_blocks(model: nn.Module):
+    """The modules that directly own an attention layer: the decoder blocks, in order."""
+    return [m for m in model.modules()
+            if any(isinstance(c, SelfAttention) for c in m.children())]
+
+
+def _checkpointed(forward, *args, **kwargs):
+    import deepspeed
+
+    leaves, spec = tree_flatten((args, kwargs))  # tuples (rotary tables) become plain arguments
+
+    def run(*flat):
+        a, kw = tree_unflatten(list(flat), spec)
+        return forward(*a, **kw)
+    return deepspeed.checkpointing.non_reentrant_checkpoint(run, *leaves)
+
+
+def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None) -> int:
+    """Wrap the modules `mode` names; returns how many were wrapped."""
+    if mode == "none":
+        return 0
+    import deepspeed
+
+    section = (ds_config or {}).get("activation_checkpointing", {})
+    deepspeed.checkpointing.configure(
+        mpu, partition_activations=bool(section.get("partition_activations", False)),
+        checkpoint_in_cpu=bool(section.get("cpu_checkpointing", False)),
+        contiguous_checkpointing=False, synchronize=False, profile=False)
+    blocks = decoder_blocks(model)[::every]
+    targets = blocks if mode == "full" else [
+        c for b in blocks for c in b.children() if isinstance(c, SelfAttention)]
+    for m in targets:
+        m.forward = functools.partial(_checkpointed, m.forward)
+    return len(targets)

@@ -1,0 +1,138 @@
+"""Per-rank memory estimate for a run, without building the model (meta device).
+
+What is counted, per rank, for AdamW under DeepSpeed:
+- parameters: the working copy the forward reads (bf16/fp16, or fp32), sharded by tensor
+  parallel and, under ZeRO-3, by data parallel;
+- gradients: the working-precision gradients (ZeRO-2/3: this rank's partition) plus the fp32
+  gradient buffer DeepSpeed keeps for mixed precision (ZeRO-0: whole; ZeRO-1/2/3: partition);
+- optimizer states: fp32 master weights (mixed precision) and Adam's two moments, partitioned by
+  ZeRO-1+; with optimizer offload they live in host memory (reported apart);
+- activations: the tensors the backward pass keeps, counted from this code's layers (norm
+  statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
+  checkpointing policy, plus the logits and their fp32 loss copies;
+- runtime: what a rank costs before the model (the framework, communication buffers); on CPU
+  measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
+  allocator's reserve is not counted.
+"""
+import math
+from dataclasses import asdict, dataclass
+
+from dr_scale.errors import DrScaleError
+
+# Resident set of a CPU rank after torch + DeepSpeed + gloo are up, before the model: measured on
+# the 2-core CI machine (python, torch 2.13, deepspeed 0.19.8) as the peak RSS of a run of a
+# 1-layer, 64-wide model (benchmarks/estimate_check.py reports it afresh).
+RUNTIME_BYTES_CPU = 560 * 2**20
+ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+
+
+@dataclass
+class MemoryEstimate:
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    runtime: int
+    host_offload: int  # optimizer states kept in host memory (ZeRO offload), not in `total`
+    total: int
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def split_parameters(shape, tp: int):
+    """(tensor-parallel-sharded, replicated) parameter counts, from the meta-device model."""
+    import re
+
+    from dr_scale.models import build_model
+    from dr_scale.parallel.tensor import PLANS
+
+    model = build_model(shape, device="meta")
+    patterns = [re.compile(p) for spec in PLANS.get(shape.arch, []) for p in spec["patterns"]]
+    sharded = replicated = 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if tp > 1 and any(pat.match(name) for pat in patterns):
+            sharded += p.numel()
+        else:
+            replicated += p.numel()
+    return sharded, replicated
+
+
+def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -> float:
+    """Tensors one decoder block keeps for backward, per token (see module doc)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    kv = shape.num_kv_heads * shape.head_dim
+    # two norms: the fused kernel keeps its input; the torch reference an fp32 input copy and
+    # the fp32 normalized output
+    norms = 2 * (bytes_per * h if fused_norms else 8 * h)
+    attention = bytes_per * (h + (h + 2 * kv) + h + h)  # block input, q/k/v, output, o_proj input
+    mlp = bytes_per * (h + 4 * f)  # input; gate, silu(gate), up, product
+    return norms + attention + mlp
+
+
+def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool, world: int,
+             tp: int = 1, pp: int = 1, micro_batch: int, seq_length: int,
+             checkpointing: str = "none", checkpoint_every: int = 1,
+             device_type: str = "cpu") -> MemoryEstimate:
+    if world % (tp * pp):
+        raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
+    dp = world // (tp * pp)
+    lp = 4 if precision == "fp32" else 2
+    mixed = precision != "fp32"
+    sharded, replicated = split_parameters(shape, tp)
+    n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
+    n /= pp  # a stage holds its share of the layers (balanced by parameters)
+
+    zero_div = dp if zero_stage >= 1 else 1
+    parameters = n * lp / (dp if zero_stage == 3 else 1)
+    grads_lp = n * lp / (dp if zero_stage >= 2 else 1)
+    grads_fp32 = (n * 4 / zero_div) if mixed else 0  # DeepSpeed's fp32 gradient (partition)
+    gradients = grads_lp + grads_fp32
+    optimizer = n * ((4 if mixed else 0) + ADAM_STATE_BYTES) / zero_div
+    host = 0
+    if offload_optimizer:
+        host, optimizer = optimizer, 0
+
+    tokens = micro_batch * seq_length
+    per_layer = activation_bytes_per_token_layer(shape, lp, device_type == "cuda") * tokens
+    layers = shape.num_layers / pp
+    if checkpointing == "full":
+        # checkpointed blocks keep only their input; one block is live again during its backward
+        kept = math.floor(layers / checkpoint_every)
+        acts = kept * lp * shape.hidden_size * tokens + (layers - kept) * per_layer + per_layer
+    elif checkpointing == "selective":
+        attn = lp * (shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim) * tokens
+        acts = layers * (per_layer - attn / max(1, checkpoint_every))
+    else:
+        acts = layers * per_layer
+    logits = tokens * shape.vocab_size * (lp + 4 + 4)  # logits, fp32 log-softmax, fp32 gradient
+    activations = acts / tp + logits
+    runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
+    total = parameters + gradients + optimizer + activations + runtime
+    return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
+                                            runtime, host, total)))
+
+
+def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> MemoryEstimate:
+    """From a loaded RunConfig and DeepSpeed config dict."""
+    from dr_scale import ds_config as dsc
+    from dr_scale.models import resolve_shape
+
+    vocab = None  # the preset's (or model.vocab_size), unless a tokenizer file is named
+    if cfg.model.vocab_size is None and cfg.data.tokenizer:
+        from dr_scale.data.tokenizer import Tokenizer
+
+        vocab = Tokenizer(cfg.data.tokenizer).vocab_size
+    shape = resolve_shape(cfg.model, vocab)
+    zero = ds.get("zero_optimization", {})
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none") == "cpu"
+    return estimate(shape, precision=dsc.precision(ds), zero_stage=dsc.zero_stage(ds),
+                    offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
+                    pp=cfg.parallel.pipeline_parallel, micro_batch=cfg.train.micro_batch_size,
+                    seq_length=cfg.data.seq_length,
+                    checkpointing=cfg.parallel.activation_checkpointing,
+                    checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type)

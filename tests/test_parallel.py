@@ -1,0 +1,90 @@
+"""Tensor parallelism, data x tensor layouts and activation checkpointing: per-step losses over
+5 steps and, after the first step, the gradient norm of every parameter (whole parameters, TP
+slices and ZeRO shards combined) equal to the 1-rank run of the same model and data (fp32, within
+1e-5 relative), and one-line refusals of what is not supported."""
+import pytest
+
+from dr_scale.errors import DrScaleError
+from dr_scale.parallel.topology import Topology
+from tests.conftest import launch
+from tests.test_train_distributed import fp32_config, records
+
+STEPS = 5
+PARAM = "model.layers.1.mlp.down_proj.weight"  # row-parallel under TP: sharded across the group
+COMMON = ["data.seq_length=64", f"train.max_steps={STEPS}", "train.warmup_steps=1",
+          "train.log_interval=1", "train.eval_interval=100", "train.save_interval=100",
+          "train.eval_samples=4", "train.global_batch_size=4", "train.lr=3e-3",
+          "logging.plot=false", "logging.tensorboard=false",
+          "callbacks={grad_norm_monitor: {enabled: true, top_k: 100}}"]
+
+
+def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra):
+    out = tmp_path / name
+    launch(["--run_dir", out, "--ds_config", fp32_config(tmp_path, stage), *COMMON,
+            f"train.micro_batch_size={micro}", *extra], ranks, cache_dir)
+    train = [r for r in records(out) if "loss" in r]
+    assert len(train) == STEPS
+    return ([r["loss"] for r in train], dict(train[0]["grad_norm_top"]),
+            train[0]["grad_norm_total"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    return run(tmp_path_factory.mktemp("ref"), cache_dir, "ref", 1, 1, 4)
+
+
+def assert_same(got, want):
+    losses, param_norms, total_norm = got
+    assert losses == pytest.approx(want[0], rel=1e-5)
+    assert PARAM in param_norms and len(param_norms) == len(want[1]) > 30  # every parameter
+    for name, norm in want[1].items():
+        assert param_norms[name] == pytest.approx(norm, rel=1e-5), name
+    assert total_norm == pytest.approx(want[2], rel=1e-5)
+
+
+def test_reference_learns(reference):
+    assert reference[0][-1] < reference[0][0] - 0.3
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
+    assert_same(run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4,
+                    "parallel.tensor_parallel=2"), reference)
+
+
+def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
+    assert_same(run(tmp_path, cache_dir, "dp2_tp2_z2", 2, 4, 2, "parallel.tensor_parallel=2"),
+                reference)
+
+
+@pytest.mark.parametrize("mode, every", [("full", 2), ("selective", 1)])
+def test_activation_checkpointing_equals_none(reference, tmp_path, cache_dir, mode, every):
+    assert_same(run(tmp_path, cache_dir, f"ckpt_{mode}", 1, 1, 4,
+                    f"parallel.activation_checkpointing={mode}",
+                    f"parallel.checkpoint_every={every}"), reference)
+
+
+def test_topology_layout_and_errors():
+    t = Topology(8, tensor=2, pipeline=2)
+    assert t.data == 2 and t.describe() == "DP 2 x TP 2 x PP 2 = 8 rank(s)"
+    assert [t.coords(r)["tensor"] for r in range(4)] == [0, 1, 0, 1]  # TP groups are consecutive
+    assert t.coords(5) == {"data": 1, "pipeline": 0, "tensor": 1}
+    with pytest.raises(DrScaleError, match="tensor_parallel=4 x pipeline_parallel=1 does not "
+                                           "divide the world of 6 ranks"):
+        Topology(6, tensor=4)
+
+
+def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
+    from tests.test_cli_errors import errors_of
+
+    proc = launch(["--ds_config", "zero3", "--run_dir", tmp_path / "a",
+                   "parallel.pipeline_parallel=2"], 2, cache_dir, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    # one line per rank (the two may interleave on the shared stderr)
+    assert proc.stderr.count("zero_optimization.stage=3 with parallel.pipeline_parallel=2: "
+                             "DeepSpeed's pipeline engine supports ZeRO-0/1 only; use zero1") == 2
+    proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "b",
+                   "parallel.tensor_parallel=3", "model.preset=tiny"], 1, cache_dir,
+                  launcher="python", check=False)
+    assert "tensor_parallel=3 x pipeline_parallel=1 does not divide the world of 1 ranks" in \
+        errors_of(proc)
