@@ -10,6 +10,9 @@ What is counted, per rank, for AdamW under DeepSpeed:
 - activations: the tensors the backward pass keeps, counted from this code's layers (norm
   statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
   checkpointing policy, plus the logits and their fp32 loss copies;
+- buffers: DeepSpeed's communication buckets: the contiguous gradient bucket ZeRO-2/3 allocate
+  at `reduce_bucket_size` elements, ZeRO-3's gathered parameters (up to its prefetch bucket),
+  ZeRO-0/1's flattened all-reduce bucket;
 - runtime: what a rank costs before the model (the framework, communication buffers); on CPU
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
   allocator's reserve is not counted.
@@ -32,6 +35,7 @@ class MemoryEstimate:
     gradients: int
     optimizer_states: int
     activations: int
+    buffers: int
     runtime: int
     host_offload: int  # optimizer states kept in host memory (ZeRO offload), not in `total`
     total: int
@@ -77,7 +81,8 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
 def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool, world: int,
              tp: int = 1, pp: int = 1, micro_batch: int, seq_length: int,
              checkpointing: str = "none", checkpoint_every: int = 1,
-             device_type: str = "cpu") -> MemoryEstimate:
+             device_type: str = "cpu", reduce_bucket: float = 5e8,
+             prefetch_bucket: float = 5e7, contiguous_gradients: bool = True) -> MemoryEstimate:
     if world % (tp * pp):
         raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
     dp = world // (tp * pp)
@@ -111,10 +116,16 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
         acts = layers * per_layer
     logits = tokens * shape.vocab_size * (lp + 4 + 4)  # logits, fp32 log-softmax, fp32 gradient
     activations = acts / tp + logits
+    if zero_stage >= 2 and contiguous_gradients:
+        buffers = reduce_bucket * lp
+    else:
+        buffers = min(reduce_bucket, n) * lp
+    if zero_stage == 3:
+        buffers += min(prefetch_bucket, n) * lp
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
-    total = parameters + gradients + optimizer + activations + runtime
+    total = parameters + gradients + optimizer + activations + buffers + runtime
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
-                                            runtime, host, total)))
+                                            buffers, runtime, host, total)))
 
 
 def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> MemoryEstimate:
@@ -130,7 +141,13 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> Mem
     shape = resolve_shape(cfg.model, vocab)
     zero = ds.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") == "cpu"
-    return estimate(shape, precision=dsc.precision(ds), zero_stage=dsc.zero_stage(ds),
+    stage = dsc.zero_stage(ds)
+    # DeepSpeed's defaults where the config is silent (ZeRO-3 spells its bucket sizes
+    # stage3_*; contiguous_gradients defaults on)
+    buckets = dict(reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
+                   prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
+    return estimate(shape, precision=dsc.precision(ds), zero_stage=stage, **buckets,
                     offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
                     pp=cfg.parallel.pipeline_parallel, micro_batch=cfg.train.micro_batch_size,
                     seq_length=cfg.data.seq_length,

@@ -1,0 +1,58 @@
+"""The memory estimator: per-rank predictions against the measured peak of real runs (within
+25%) on four layouts, and its arithmetic on shapes too large to run here."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, launch
+
+SHAPE = ["model.preset=tiny", "model.hidden_size=512", "model.num_layers=6", "model.num_heads=8",
+         "model.num_kv_heads=4", "model.ffn_hidden_size=1408", "data.seq_length=256",
+         "train.micro_batch_size=4"]
+
+
+def estimate(ds, ranks, *extra, device="cpu"):
+    out = subprocess.run([sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config", ds,
+                          "--ranks", str(ranks), "--device", device, "--json", *extra],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)["bytes_per_rank"]
+
+
+@pytest.mark.parametrize("ds, ranks, extra", [
+    ("zero0", 2, []), ("zero1", 2, []), ("zero3", 2, []),
+    ("zero1", 2, ["parallel.tensor_parallel=2"]),
+])
+def test_estimate_within_25_percent_of_measured_peak(cache_dir, tmp_path, ds, ranks, extra):
+    run = tmp_path / "run"
+    launch(["--run_dir", run, "--ds_config", ds, *SHAPE, *extra, "train.max_steps=2",
+            "train.log_interval=1", "train.eval_interval=1000", "train.save_interval=1000",
+            "train.eval_samples=4", "logging.plot=false", "logging.tensorboard=false"],
+           ranks, cache_dir)
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    measured = max(r["mem_peak_bytes"] for r in recs if "mem_peak_bytes" in r)
+    vocab = json.loads((run / "run.json").read_text())["model"]["shape"]["vocab_size"]
+    predicted = estimate(ds, ranks, *SHAPE, *extra, f"model.vocab_size={vocab}")["total"]
+    assert 0.75 <= predicted / measured <= 1.25, (predicted / 2**20, measured / 2**20)
+
+
+def test_estimate_scales_as_zero_and_parallelism_say():
+    big = ["model.preset=llama_7b", "train.micro_batch_size=1", "data.seq_length=4096"]
+    z0 = estimate("zero0", 8, *big, device="cuda")
+    z3 = estimate("zero3", 8, *big, device="cuda")
+    n = 6_738_415_616
+    assert z0["parameters"] == pytest.approx(2 * n, rel=1e-6)  # bf16 working copy
+    assert z3["parameters"] == pytest.approx(2 * n / 8, rel=1e-6)
+    assert z0["optimizer_states"] == pytest.approx(12 * n, rel=1e-6)  # fp32 master + Adam
+    assert z3["optimizer_states"] == pytest.approx(12 * n / 8, rel=1e-6)
+    off = estimate("zero3_offload", 8, *big, device="cuda")
+    assert off["optimizer_states"] == 0 and off["host_offload"] == pytest.approx(12 * n / 8, rel=1e-6)
+    full = estimate("zero3", 8, *big, "parallel.activation_checkpointing=full", device="cuda")
+    assert full["activations"] < z3["activations"] / 5
+    tp = estimate("zero3", 8, *big, "parallel.tensor_parallel=8", device="cuda")
+    # TP 8 x DP 1: the block matrices split 8 ways, embeddings and norms replicated
+    assert z0["parameters"] / 8 < tp["parameters"] < z0["parameters"] / 4
+    # 70B fits the meta device and prints
+    estimate("zero3", 512, "model.preset=llama_70b", device="cuda")
