@@ -1,13 +1,20 @@
 #!/usr/bin/env python
-"""Throughput of a preset under one or more DeepSpeed configs, each point its own launcher job.
+"""Throughput sweep: presets x DeepSpeed configs x tensor-parallel layouts x micro-batch x
+sequence length x activation checkpointing x attention, each point its own launcher job; beside
+each, the Hugging Face LlamaForCausalLM peer of the same shape under the same DeepSpeed config and
+ranks, and the memory estimator's prediction.
 
-    python benchmarks/throughput.py --preset tiny --ds_config zero0 zero3 --ranks 2 --steps 30
+    python benchmarks/throughput.py --quick                 # a few minutes on a 2-core CPU
+    python benchmarks/throughput.py --presets tiny llama_125m --ds_configs zero0 zero1 zero2 zero3
+    dr-scale bench --quick                                  # the same, from the console script
 
-Prints, per point, the steady-state tokens/s (all ranks), TFLOP/s per rank, MFU and peak memory
-per rank (median over log windows after the first, which holds warm-up), and writes
-results.jsonl + results.md to --out.
+Per point: steady-state tokens/s (all ranks), TFLOP/s per rank, MFU and HFU (recomputation
+counted), peak memory per rank and the estimate, and the step broken into forward, backward and
+optimizer step (communication happens inside the last two). Medians over the log windows after
+the first (warm-up). Writes results.jsonl, results.md and throughput.png / memory.png to --out.
 """
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -17,67 +24,193 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PRETRAIN = ROOT / "launchers" / "pretrain.py"
 
 
-def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir):
-    run_dir = Path(workdir) / f"{preset}-{ds_config}-{ranks}r"
-    port = ["--master_port", str(29500 + os.getpid() % 1000)]
-    cmd = ["deepspeed", "--num_gpus", str(ranks), *port, str(ROOT / "launchers" / "pretrain.py"),
-           "--ds_config", ds_config, "--run_dir", str(run_dir), f"model.preset={preset}",
-           f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
-           f"data.seq_length={seq}", "train.log_interval=5", f"train.eval_interval={steps}",
-           "train.eval_samples=8", f"train.save_interval={steps}", "train.warmup_steps=5",
-           "logging.plot=false", "logging.tensorboard=false", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+def _port():
+    return str(29500 + (os.getpid() * 7 + int.from_bytes(os.urandom(2), "little")) % 2000)
+
+
+def _env(ranks):
+    return dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
+
+
+def _run(cmd, ranks, what):
+    proc = subprocess.run(cmd, env=_env(ranks), capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-        raise SystemExit(f"benchmark point {preset}/{ds_config} failed:\n{tail}")
+        raise SystemExit(f"benchmark point {what} failed:\n{tail}")
+    return proc
+
+
+def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_interval=5):
+    """One dr_scale training job; the medians of its training records after the first window."""
+    run_dir = Path(workdir) / f"{preset}-{ds_config}-{ranks}r-{abs(hash(tuple(extra))) % 10**6}"
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", _port(), str(PRETRAIN),
+           "--ds_config", ds_config, "--run_dir", str(run_dir), f"model.preset={preset}",
+           f"train.max_steps={steps}", f"train.micro_batch_size={micro}",
+           f"data.seq_length={seq}", f"train.log_interval={log_interval}",
+           f"train.eval_interval={steps}", "train.eval_samples=8",
+           f"train.save_interval={steps + 1}", "train.warmup_steps=5", "logging.plot=false",
+           "logging.tensorboard=false", "logging.step_breakdown=true", *extra]
+    _run(cmd, ranks, f"{preset}/{ds_config}")
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if "tokens_per_s" in r][1:]  # drop the warm-up window
     if not train:
         raise SystemExit(f"{run_dir}: too few steps to measure; raise --steps")
     med = lambda k: statistics.median(r[k] for r in train)  # noqa: E731
-    return {"preset": preset, "ds_config": ds_config, "ranks": ranks, "seq_length": seq,
-            "micro_batch_size": micro, "tokens_per_s": med("tokens_per_s"),
-            "tflops": med("tflops"), "mfu": med("mfu"),
-            "mem_peak_bytes": max(r["mem_peak_bytes"] for r in train),
-            "step_time_s": med("step_time_s")}
+    info = json.loads((run_dir / "run.json").read_text())
+    row = {"preset": preset, "ds_config": ds_config, "ranks": ranks, "seq_length": seq,
+           "micro_batch_size": micro, "tokens_per_s": med("tokens_per_s"),
+           "tflops": med("tflops"), "mfu": med("mfu"), "hfu": med("hfu"),
+           "mem_peak_bytes": max(r["mem_peak_bytes"] for r in train),
+           "step_time_s": med("step_time_s"),
+           "peak_tflops": info["peak_flops"]["value"] / 1e12,
+           "peak_source": info["peak_flops"]["source"],
+           "vocab_size": info["model"]["shape"]["vocab_size"],
+           "parameters": info["model"]["parameters"]}
+    for phase in ("forward", "backward", "optimizer_step"):
+        if f"time_{phase}_s" in train[0]:
+            row[f"time_{phase}_s"] = med(f"time_{phase}_s")
+    return row
 
 
-def main():
+def run_peer(preset, ds_config, ranks, steps, seq, micro, vocab, workdir):
+    out = Path(workdir) / f"peer-{preset}-{ds_config}-{ranks}r.json"
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", _port(),
+           str(ROOT / "benchmarks" / "hf_peer.py"), "--preset", preset, "--ds_config", ds_config,
+           "--seq_length", str(seq), "--micro_batch_size", str(micro), "--steps", str(steps),
+           "--warmup", str(max(2, steps // 4)), "--vocab_size", str(vocab), "--out", str(out)]
+    _run(cmd, ranks, f"peer {preset}/{ds_config}")
+    return json.loads(out.read_text())
+
+
+def estimate_bytes(preset, ds_config, ranks, seq, micro, extra, vocab, device):
+    cmd = [sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config", ds_config, "--ranks",
+           str(ranks), "--device", device, "--json", f"model.preset={preset}",
+           f"data.seq_length={seq}", f"train.micro_batch_size={micro}",
+           f"model.vocab_size={vocab}", *[e for e in extra if not e.startswith("logging.")]]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout)["bytes_per_rank"]["total"]
+
+
+def plot(rows, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r["label"] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="dr_scale")
+    ax.bar([i + 0.2 for i in x], [r.get("peer_tokens_per_s") or 0 for r in rows], 0.4,
+           label="HF Llama + DeepSpeed")
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s (all ranks)")
+    ax.legend()
+    ax.set_title("throughput")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [r["mem_peak_bytes"] / 2**20 for r in rows], 0.4,
+           label="measured peak")
+    ax.bar([i + 0.2 for i in x], [(r.get("mem_estimate_bytes") or 0) / 2**20 for r in rows],
+           0.4, label="dr-scale estimate")
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.legend()
+    ax.set_title("memory per rank")
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+
+
+def table(rows) -> str:
+    head = ("| point | tokens/s | peer tokens/s | vs peer | TFLOP/s/rank | MFU | HFU | "
+            "fwd / bwd / step ms | peak MiB/rank | estimate MiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        peer = r.get("peer_tokens_per_s")
+        parts = [r.get(f"time_{p}_s") for p in ("forward", "backward", "optimizer_step")]
+        split = " / ".join(f"{1e3 * v:.0f}" for v in parts) if all(parts) else "-"
+        est = r.get("mem_estimate_bytes")
+        peer_s = f"{peer:,.0f}" if peer else "-"
+        ratio = f"{r['tokens_per_s'] / peer:.2f}x" if peer else "-"
+        est_s = f"{est / 2**20:,.0f}" if est else "-"
+        lines.append(
+            f"| {r['label']} | {r['tokens_per_s']:,.0f} | {peer_s} | {ratio} | "
+            f"{r['tflops']:.4f} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | {split} | "
+            f"{r['mem_peak_bytes'] / 2**20:,.0f} | {est_s} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--ds_config", nargs="+", default=["zero0", "zero1", "zero2", "zero3"])
+    p.add_argument("--presets", nargs="+", default=["tiny"])
+    p.add_argument("--ds_configs", nargs="+", default=["zero0", "zero1", "zero2", "zero3"])
+    p.add_argument("--tensor_parallel", nargs="+", type=int, default=[1])
+    p.add_argument("--micro_batch_sizes", nargs="+", type=int, default=[8])
+    p.add_argument("--seq_lengths", nargs="+", type=int, default=[256])
+    p.add_argument("--checkpointing", nargs="+", default=["none"],
+                   choices=["none", "full", "selective"])
+    p.add_argument("--attention", nargs="+", default=["sdpa"])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--seq_length", type=int, default=256)
-    p.add_argument("--micro_batch_size", type=int, default=8)
-    p.add_argument("--out", default="bench_out")
+    p.add_argument("--no_peer", action="store_true", help="skip the Hugging Face peer")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny preset, zero1 and zero3, 15 steps: a few minutes on 2 CPU cores")
+    p.add_argument("--out", default="bench_out/throughput")
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value for every point")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if a.quick:
+        a.presets, a.ds_configs, a.steps = ["tiny"], ["zero1", "zero3"], 15
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if _has_cuda() else "cpu"
+    grid = list(itertools.product(a.presets, a.ds_configs, a.tensor_parallel, a.micro_batch_sizes,
+                                  a.seq_lengths, a.checkpointing, a.attention))
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for ds in a.ds_config:
-            print(f"running {a.preset} / {ds} on {a.ranks} rank(s) ...", file=sys.stderr, flush=True)
-            row = run_point(a.preset, ds, a.ranks, a.steps, a.seq_length, a.micro_batch_size,
-                            a.overrides, work)
+        for i, (preset, ds, tp, micro, seq, ckpt, attn) in enumerate(grid, 1):
+            extra = [f"parallel.tensor_parallel={tp}", f"parallel.activation_checkpointing={ckpt}",
+                     f"model.attention={attn}", *a.overrides]
+            label = f"{preset} {ds} DP{a.ranks // tp}xTP{tp} m{micro} s{seq}" + \
+                (f" ckpt={ckpt}" if ckpt != "none" else "") + (f" {attn}" if attn != "sdpa" else "")
+            print(f"[{i}/{len(grid)}] {label} ...", file=sys.stderr, flush=True)
+            row = run_point(preset, ds, a.ranks, a.steps, seq, micro, extra, work)
+            row.update(label=label, layout=f"DP{a.ranks // tp}xTP{tp}", tensor_parallel=tp,
+                       activation_checkpointing=ckpt, attention=attn)
+            row["mem_estimate_bytes"] = estimate_bytes(preset, ds, a.ranks, seq, micro, extra,
+                                                       row["vocab_size"], device)
+            if not a.no_peer and tp == 1 and ckpt == "none" and attn == "sdpa":
+                print(f"[{i}/{len(grid)}] peer: HF LlamaForCausalLM, same shape and config ...",
+                      file=sys.stderr, flush=True)
+                peer = run_peer(preset, ds, a.ranks, a.steps, seq, micro, row["vocab_size"], work)
+                row["peer_tokens_per_s"] = peer["tokens_per_s"]
+                row["peer_mem_peak_bytes"] = peer["mem_peak_bytes"]
+                row["vs_peer"] = row["tokens_per_s"] / peer["tokens_per_s"]
+            else:
+                row["peer_tokens_per_s"] = None
             rows.append(row)
-            print(f"{row['preset']:<10} {row['ds_config']:<14} {row['tokens_per_s']:>10,.0f} tok/s "
-                  f"{row['tflops']:>8.4f} TFLOP/s/rank  MFU {100 * row['mfu']:5.1f}%  "
-                  f"peak {row['mem_peak_bytes'] / 2**20:,.0f} MiB/rank", flush=True)
+            print(table([row]).splitlines()[-1], flush=True)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    lines = ["| preset | ds_config | ranks | tokens/s | TFLOP/s per rank | MFU | peak MiB per rank |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['preset']} | {r['ds_config']} | {r['ranks']} | {r['tokens_per_s']:,.0f} | "
-              f"{r['tflops']:.4f} | {100 * r['mfu']:.1f}% | {r['mem_peak_bytes'] / 2**20:,.0f} |"
-              for r in rows]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'results.jsonl'} and {out / 'results.md'}")
+    md = table(rows)
+    peak = rows[0]["peak_source"] if rows else ""
+    (out / "results.md").write_text(f"{md}\n\nMFU/HFU denominator: {peak}\n")
+    plot(rows, out)
+    print(f"\n{md}\n\nwrote {out / 'results.jsonl'}, results.md, throughput.png, memory.png")
+
+
+def _has_cuda():
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

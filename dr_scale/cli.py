@@ -5,6 +5,7 @@
     dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema]
     dr-scale presets
     dr-scale estimate   --ds_config zero3 --ranks 8 [--config Y] [dotted.key=value ...] [--json]
+    dr-scale bench      [--quick] [benchmarks/throughput.py options]
 """
 import argparse
 import sys
@@ -105,6 +106,20 @@ def cmd_estimate(a):
         print(f"  {key:<17} {format_bytes(value):>12}")
 
 
+def cmd_bench(argv):
+    """benchmarks/throughput.py of this checkout (benchmarks are not part of the wheel)."""
+    from pathlib import Path
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+    if not script.exists():
+        raise DrScaleError(f"bench: {script} not found; dr-scale bench runs from a clone of the "
+                           f"repository (pip install -e .)")
+    sys.argv = [str(script), *argv]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
+
+
 def build_parser():
     p = _Parser(prog="dr-scale", description="dr_scale side jobs")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -137,11 +152,15 @@ def build_parser():
     es.add_argument("--json", action="store_true")
     es.add_argument("overrides", nargs="*", help="dotted.key=value")
     es.set_defaults(fn=cmd_estimate)
+    sub.add_parser("bench", help="throughput sweep (benchmarks/throughput.py; --help there)")
     return p
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["bench"]:  # its options belong to the benchmark script
+            return cmd_bench(argv[1:])
         args = build_parser().parse_args(argv)
         args.fn(args)
     except DrScaleError as e:

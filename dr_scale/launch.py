@@ -178,7 +178,8 @@ def run(args):
     import deepspeed
 
     from dr_scale.models import build_model, resolve_shape
-    from dr_scale.models.build import count_parameters, flops_per_token
+    from dr_scale.models.build import (count_parameters, flops_per_token,
+                                       recompute_flops_per_token)
     from dr_scale.train.callbacks import build_callbacks
     from dr_scale.train.metrics import MetricsLogger
     from dr_scale.train.peak_flops import peak_flops
@@ -197,7 +198,7 @@ def run(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology(world, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
     raw_ds = dsc.read_json(ds_path)
-    check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path)
+    check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path, cfg.callbacks)
     dp_size, dp_rank = topo.data, topo.coords(rank)["data"]  # a TP group reads the same batches
     ds = dsc.fill(raw_ds, cfg, dp_size, source=str(ds_path))
     layout = dsc.batch_layout(cfg.train, dp_size)
@@ -237,6 +238,9 @@ def run(args):
                         ds)
     n_params = count_parameters(model)
     fpt = flops_per_token(shape, cfg.data.seq_length)
+    hw_fpt = fpt + recompute_flops_per_token(shape, cfg.data.seq_length,
+                                             cfg.parallel.activation_checkpointing,
+                                             cfg.parallel.checkpoint_every)
     precision = dsc.precision(ds)
     peak, peak_source = peak_flops(precision, device.type,
                                    torch.cuda.get_device_name() if device.type == "cuda" else "")
@@ -247,7 +251,8 @@ def run(args):
             "world": {"world_size": world, "ranks_per_node": local_world, "data_parallel": dp_size,
                       "tensor_parallel": topo.tensor, "pipeline_parallel": topo.pipeline,
                       "device": device.type, "backend": dist.get_backend()},
-            "model": {"shape": shape.__dict__, "parameters": n_params, "flops_per_token": fpt},
+            "model": {"shape": shape.__dict__, "parameters": n_params, "flops_per_token": fpt,
+                      "hardware_flops_per_token": hw_fpt},
             "data": {"tokenizer": str(sources.tokenizer.path),
                      "tokenizer_sha256": sources.tokenizer.sha256,
                      "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
@@ -267,6 +272,10 @@ def run(args):
     logger.info(f"layout: {topo.describe()}; {kernels_line}")
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
+    if topo.pipeline > 1:
+        from dr_scale.parallel.pipeline import to_pipeline
+
+        model = to_pipeline(model, shape, topo.pipeline, topo.data)
     mpu = None
     if topo.tensor > 1:  # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
         from deepspeed.utils import groups
@@ -277,7 +286,7 @@ def run(args):
                                 scheduler, ds_path, mpu)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
                       peak, device, callbacks, stop_at_step=args.stop_at_step,
-                      resume_plan=resume_plan)
+                      resume_plan=resume_plan, hardware_flops_per_token=hw_fpt)
     if args.resume:
         trainer.resume()
     try:
@@ -331,15 +340,27 @@ def select_kernels(shape, model_cfg, device_type: str, precision: str):
     return shape, f"{line}, attention={kernel.name}"
 
 
-def check_pipeline(topo, zero_stage: int, ds_path):
+# Callbacks that act between backward and the optimizer step, which DeepSpeed's pipeline engine
+# runs inside one call, or that assume the model's own parameter names.
+_NOT_WITH_PIPELINE = ("per_layer_clip", "grad_norm_monitor", "ema")
+
+
+def check_pipeline(topo, zero_stage: int, ds_path, callbacks_cfg=None):
     if topo.pipeline == 1:
         return
     if zero_stage >= 2:
         raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero_stage} with "
                            f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
                            f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
-    raise DrScaleError(f"parallel.pipeline_parallel={topo.pipeline}: pipeline stages are not built "
-                       f"yet; use pipeline_parallel=1 (tensor_parallel and ZeRO-3 shard a model too)")
+    if topo.tensor > 1:
+        raise DrScaleError(f"parallel: tensor_parallel={topo.tensor} with pipeline_parallel="
+                           f"{topo.pipeline}: DeepSpeed AutoTP does not partition pipeline stages; "
+                           f"use one of the two")
+    for name, opts in (callbacks_cfg or {}).items():
+        if name in _NOT_WITH_PIPELINE and isinstance(opts, dict) and opts.get("enabled"):
+            raise DrScaleError(f"callbacks.{name}: not available with parallel.pipeline_parallel="
+                               f"{topo.pipeline} (the pipeline engine runs backward and the "
+                               f"optimizer step in one call)")
 
 
 def check_precision(ds: dict, ds_path):

@@ -18,14 +18,15 @@ COMMON = ["data.seq_length=64", f"train.max_steps={STEPS}", "train.warmup_steps=
           "callbacks={grad_norm_monitor: {enabled: true, top_k: 100}}"]
 
 
-def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra):
+def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra, monitor=True):
     out = tmp_path / name
-    launch(["--run_dir", out, "--ds_config", fp32_config(tmp_path, stage), *COMMON,
+    common = COMMON if monitor else COMMON[:-1]  # the pipeline engine takes no after_backward
+    launch(["--run_dir", out, "--ds_config", fp32_config(tmp_path, stage), *common,
             f"train.micro_batch_size={micro}", *extra], ranks, cache_dir)
     train = [r for r in records(out) if "loss" in r]
     assert len(train) == STEPS
-    return ([r["loss"] for r in train], dict(train[0]["grad_norm_top"]),
-            train[0]["grad_norm_total"])
+    return ([r["loss"] for r in train], dict(train[0].get("grad_norm_top", {})),
+            train[0].get("grad_norm_total"), train[0]["grad_norm"])
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def reference(tmp_path_factory, cache_dir):
 
 
 def assert_same(got, want):
-    losses, param_norms, total_norm = got
+    losses, param_norms, total_norm, ds_norm = got
+    assert ds_norm == pytest.approx(want[3], rel=1e-5)  # DeepSpeed's global norm, step 1
     assert losses == pytest.approx(want[0], rel=1e-5)
     assert PARAM in param_norms and len(param_norms) == len(want[1]) > 30  # every parameter
     for name, norm in want[1].items():
@@ -57,6 +59,15 @@ def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
                 reference)
 
 
+@pytest.mark.parametrize("data, ranks, micro", [(1, 2, 2), (2, 4, 1)])
+def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data, ranks, micro):
+    """DP x PP = 1x2 and 2x2 with ZeRO-1: 1F1B over two micro-batches a step."""
+    losses, _, _, ds_norm = run(tmp_path, cache_dir, f"dp{data}_pp2", 1, ranks, micro,
+                                "parallel.pipeline_parallel=2", monitor=False)
+    assert losses == pytest.approx(reference[0], rel=1e-5)
+    assert ds_norm == pytest.approx(reference[3], rel=1e-5)
+
+
 @pytest.mark.parametrize("mode, every", [("full", 2), ("selective", 1)])
 def test_activation_checkpointing_equals_none(reference, tmp_path, cache_dir, mode, every):
     assert_same(run(tmp_path, cache_dir, f"ckpt_{mode}", 1, 1, 4,
@@ -68,7 +79,7 @@ def test_topology_layout_and_errors():
     t = Topology(8, tensor=2, pipeline=2)
     assert t.data == 2 and t.describe() == "DP 2 x TP 2 x PP 2 = 8 rank(s)"
     assert [t.coords(r)["tensor"] for r in range(4)] == [0, 1, 0, 1]  # TP groups are consecutive
-    assert t.coords(5) == {"data": 1, "pipeline": 0, "tensor": 1}
+    assert t.coords(5) == {"pipeline": 1, "data": 0, "tensor": 1}  # DeepSpeed's pipe topology
     with pytest.raises(DrScaleError, match="tensor_parallel=4 x pipeline_parallel=1 does not "
                                            "divide the world of 6 ranks"):
         Topology(6, tensor=4)
@@ -83,6 +94,11 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
     # one line per rank (the two may interleave on the shared stderr)
     assert proc.stderr.count("zero_optimization.stage=3 with parallel.pipeline_parallel=2: "
                              "DeepSpeed's pipeline engine supports ZeRO-0/1 only; use zero1") == 2
+    proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "c",
+                   "parallel.pipeline_parallel=2", "callbacks={ema: {enabled: true}}"], 2,
+                  cache_dir, check=False)
+    assert proc.returncode == 2 and proc.stderr.count(
+        "callbacks.ema: not available with parallel.pipeline_parallel=2") == 2
     proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "b",
                    "parallel.tensor_parallel=3", "model.preset=tiny"], 1, cache_dir,
                   launcher="python", check=False)

@@ -75,6 +75,8 @@ class LoggingConfig(Section):
     wandb_project: str = "dr_scale"
     wandb_mode: str = field("offline", choices=["offline", "online", "disabled"])
     plot: bool = True
+    step_breakdown: bool = field(False, help="time forward / backward / optimizer step per "
+                                 "step (synchronizes the device: for benchmarks)")
 
 
 @dataclass

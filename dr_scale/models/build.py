@@ -105,3 +105,17 @@ def flops_per_token(shape: ModelShape, seq_length: int) -> float:
     mlp = 3 * d * f if shape.arch == "llama" else 2 * d * f
     matmul_params = L * (attn + mlp) + d * shape.vocab_size
     return 6.0 * matmul_params + 12.0 * L * d * seq_length
+
+
+def recompute_flops_per_token(shape: ModelShape, seq_length: int, checkpointing: str,
+                              every: int = 1) -> float:
+    """Forward FLOPs per token done again by activation checkpointing (HFU counts them, MFU not):
+    whole blocks for `full`, the attention module (projections and scores) for `selective`."""
+    if checkpointing == "none":
+        return 0.0
+    d, f = shape.hidden_size, shape.ffn_hidden_size
+    kv = shape.num_kv_heads * shape.head_dim
+    attention = 2.0 * (d * d * 2 + d * kv * 2) + 4.0 * d * seq_length
+    mlp = 2.0 * (3 * d * f if shape.arch == "llama" else 2 * d * f)
+    per_layer = attention + (mlp if checkpointing == "full" else 0.0)
+    return per_layer * len(range(0, shape.num_layers, every))

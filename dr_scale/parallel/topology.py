@@ -1,8 +1,9 @@
 """Data x tensor x pipeline layout of the ranks.
 
-Ranks are laid out (data, pipeline, tensor) with tensor the fastest-varying: the ranks of one
+Ranks are laid out (pipeline, data, tensor) with tensor the fastest-varying, as DeepSpeed's
+PipeModelDataParallelTopology and its AutoTP mesh (data, tensor) lay them out: the ranks of one
 tensor-parallel group are consecutive (one node holds a group when ranks per node is a multiple
-of the TP size), as DeepSpeed's AutoTP mesh (data, tensor) lays them out.
+of the TP size), and each pipeline stage is a contiguous block of ranks.
 """
 from dataclasses import dataclass
 
@@ -30,8 +31,8 @@ class Topology:
         return self.world // (self.tensor * self.pipeline)
 
     def coords(self, rank: int) -> dict:
-        return {"data": rank // (self.tensor * self.pipeline),
-                "pipeline": (rank // self.tensor) % self.pipeline,
+        return {"pipeline": rank // (self.data * self.tensor),
+                "data": (rank // self.tensor) % self.data,
                 "tensor": rank % self.tensor}
 
     def describe(self) -> str:

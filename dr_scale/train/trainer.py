@@ -1,4 +1,5 @@
 """The training loop over a DeepSpeed engine."""
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -16,11 +17,15 @@ from dr_scale.train.metrics import peak_memory_bytes
 class Trainer:
     def __init__(self, engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger,
                  flops_per_token, peak_flops, device, callbacks=(), stop_at_step=None,
-                 resume_plan="direct"):
+                 resume_plan="direct", hardware_flops_per_token=None):
         self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.run_dir, self.logger = Path(run_dir), logger
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.hardware_flops_per_token = hardware_flops_per_token or flops_per_token
+        self.pipelined = hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
+        self._phase_s = ({"pipeline_step": 0.0} if self.pipelined else
+                         {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0})
         self.device = device
         self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
         self.resume_plan = resume_plan
@@ -94,7 +99,11 @@ class Trainer:
         for batch in eval_batches(self.sources.valid, self.layout["micro"], self.dp_size,
                                   self.dp_rank):
             batch = batch.to(self.device)
-            loss = self.engine(batch[:, :-1], batch[:, 1:])
+            if self.pipelined:
+                loss = self.engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]),
+                                              num_micro_batches=1)
+            else:
+                loss = self.engine(batch[:, :-1], batch[:, 1:])
             tokens = batch[:, 1:].numel()
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -127,15 +136,17 @@ class Trainer:
             self.callbacks.fire("before_step", self, self.step)
             lr = self.current_lr()
             step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
-            for micro in range(self.layout["accum"]):
+            if self.pipelined:  # DeepSpeed's pipeline engine runs the step's micro-batches
+                step_loss += self._pipeline_step(batches) * self.layout["accum"]
+            for micro in range(0 if self.pipelined else self.layout["accum"]):
                 batch = next(batches).to(self.device, non_blocking=True)
-                with record_function("dr_scale.forward"):
+                with self._phase("forward"):
                     loss = self.engine(batch[:, :-1], batch[:, 1:])
                 self.last_loss = loss.detach()
-                with record_function("dr_scale.backward"):
+                with self._phase("backward"):
                     self.engine.backward(loss)
                 self.callbacks.fire("after_backward", self, self.step, micro)
-                with record_function("dr_scale.optimizer_step"):
+                with self._phase("optimizer_step"):
                     self.engine.step()
                 step_loss += loss.detach().float()
             self.step += 1
@@ -154,6 +165,39 @@ class Trainer:
                 window_start = time.perf_counter()
         self.callbacks.fire("on_exit", self)
 
+    @contextlib.contextmanager
+    def _phase(self, name):
+        """A named range for profilers; with logging.step_breakdown, also its wall time (the
+        device is synchronized around it, so only benchmarks switch it on)."""
+        timed = self.cfg.logging.step_breakdown
+        if timed:
+            self._sync()
+            t0 = time.perf_counter()
+        with record_function(f"dr_scale.{name}"):
+            yield
+        if timed:
+            self._sync()
+            self._phase_s[name] += time.perf_counter() - t0
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _breakdown(self, steps) -> dict:
+        if not self.cfg.logging.step_breakdown:
+            return {}
+        out = {f"time_{k}_s": v / steps for k, v in self._phase_s.items()}
+        self._phase_s = dict.fromkeys(self._phase_s, 0.0)
+        return out
+
+    def _pipeline_step(self, batches):
+        micro = [next(batches).to(self.device, non_blocking=True)
+                 for _ in range(self.layout["accum"])]
+        with self._phase("pipeline_step"):
+            loss = self.engine.train_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in micro]))
+        self.last_loss = loss.detach()
+        return loss.detach().float()
+
     def _train_record(self, window_losses, seconds, lr) -> dict:
         """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
         losses = torch.stack(window_losses)
@@ -167,10 +211,13 @@ class Trainer:
         return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
                 "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12,
                 "mfu": flops_per_rank / self.peak_flops,
+                "hfu": tokens_per_s * self.hardware_flops_per_token / dist.get_world_size()
+                / self.peak_flops,
                 "step_time_s": seconds / steps,
                 "consumed_tokens": self.step * self.tokens_per_step,
                 "skipped_steps": int(self.engine.skipped_steps),
-                "mem_peak_bytes": int(mem.item()), **self._grad_norm(), **self._drain_reports()}
+                "mem_peak_bytes": int(mem.item()), **self._breakdown(steps), **self._grad_norm(),
+                **self._drain_reports()}
 
     def _grad_norm(self) -> dict:
         """DeepSpeed's global norm of the last step's gradients (computed when it clips)."""
