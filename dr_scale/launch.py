@@ -236,6 +236,8 @@ def run(args):
 
     checkpointing.apply(model, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every,
                         ds)
+    if cfg.model.compile:
+        checkpointing.compile_blocks(model, dsc.zero_stage(ds), cfg.parallel.activation_checkpointing)
     n_params = count_parameters(model)
     fpt = flops_per_token(shape, cfg.data.seq_length)
     hw_fpt = fpt + recompute_flops_per_token(shape, cfg.data.seq_length,

@@ -104,3 +104,15 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
                   launcher="python", check=False)
     assert "tensor_parallel=3 x pipeline_parallel=1 does not divide the world of 1 ranks" in \
         errors_of(proc)
+
+
+def test_compile_refuses_what_it_cannot_combine_with():
+    from dr_scale.models import build_model
+    from dr_scale.parallel.checkpointing import compile_blocks
+    from tests.test_models import shape_of
+
+    model = build_model(shape_of("model.preset=tiny", vocab=64))
+    with pytest.raises(DrScaleError, match="model.compile=true with ZeRO-3"):
+        compile_blocks(model, 3, "none")
+    with pytest.raises(DrScaleError, match="model.compile=true with parallel.activation_checkpointing"):
+        compile_blocks(model, 1, "full")

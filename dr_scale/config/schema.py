@@ -27,6 +27,7 @@ class ModelConfig(Section):
     init_std: float = field(0.02, min=0.0)
     pad_vocab_multiple: int = field(64, min=1)
     init_from: Optional[str] = field(None, help="Hugging Face Llama folder to start from")
+    compile: bool = field(False, help="torch.compile each decoder block (regional compilation)")
 
 
 @dataclass

@@ -54,3 +54,20 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
     for m in targets:
         m.forward = functools.partial(_checkpointed, m.forward)
     return len(targets)
+
+
+def compile_blocks(model: nn.Module, zero_stage: int, checkpointing: str) -> int:
+    """torch.compile each decoder block in place (parameter names unchanged): one compiled
+    region per block type, reused by every block, as torchtitan does; returns how many."""
+    from dr_scale.errors import DrScaleError
+
+    if zero_stage == 3:
+        raise DrScaleError("model.compile=true with ZeRO-3: DeepSpeed's parameter gathering hooks "
+                           "break the compiled graphs; use ZeRO-0/1/2 or model.compile=false")
+    if checkpointing != "none":
+        raise DrScaleError("model.compile=true with parallel.activation_checkpointing: not "
+                           "combined yet; choose one")
+    blocks = decoder_blocks(model)
+    for b in blocks:
+        b.compile()
+    return len(blocks)
