@@ -62,6 +62,7 @@ class TrainConfig(Section):
     seed: int = field(1234, min=0)
     log_interval: int = field(10, min=1)
     eval_interval: int = field(100, min=1)
+    eval_at_start: bool = field(True, help="evaluate before the first step (a baseline point)")
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
     keep_checkpoints: int = field(3, min=0, help="keep the newest K checkpoints; 0 keeps all")
