@@ -8,16 +8,16 @@ CPU, allocator peak on a GPU) is set beside `dr-scale estimate`'s total for the 
 """
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SHAPE = ["model.preset=tiny", "model.hidden_size=512", "model.num_layers=6", "model.num_heads=8",
-         "model.num_kv_heads=4", "model.ffn_hidden_size=1408", "data.seq_length=256",
-         "train.micro_batch_size=4"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import estimate_bytes, run_point  # noqa: E402
+
+SEQ, MICRO = 256, 4
+SHAPE = ["model.hidden_size=512", "model.num_layers=6", "model.num_heads=8",
+         "model.num_kv_heads=4", "model.ffn_hidden_size=1408"]  # on the tiny preset
 LAYOUTS = {  # name: (ds_config, ranks, overrides)
     "zero0_2r": ("zero0", 2, []),
     "zero1_2r": ("zero1", 2, []),
@@ -25,29 +25,6 @@ LAYOUTS = {  # name: (ds_config, ranks, overrides)
     "zero1_tp2": ("zero1", 2, ["parallel.tensor_parallel=2"]),
     "zero2_1r_ckpt": ("zero2", 1, ["parallel.activation_checkpointing=full"]),
 }
-
-
-def measure(name, ds, ranks, extra, work, steps=3):
-    run = Path(work) / name
-    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29700 + os.getpid() % 200),
-           str(ROOT / "launchers" / "pretrain.py"), "--ds_config", ds, "--run_dir", str(run),
-           *SHAPE, f"train.max_steps={steps}", "train.log_interval=1", "train.eval_interval=1000",
-           f"train.save_interval={steps + 1}", "train.eval_samples=4", "logging.plot=false",
-           "logging.tensorboard=false", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // ranks)))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n" + "\n".join(proc.stderr.splitlines()[-20:]))
-    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-    return max(r["mem_peak_bytes"] for r in recs if "mem_peak_bytes" in r)
-
-
-def estimated(ds, ranks, extra, device):
-    out = subprocess.run([sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config", ds,
-                          "--ranks", str(ranks), "--device", device, "--json", *SHAPE,
-                          "model.vocab_size=4096", *extra],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)["bytes_per_rank"]
 
 
 def main():
@@ -61,12 +38,15 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         for name in a.layouts:
             ds, ranks, extra = LAYOUTS[name]
-            est = estimated(ds, ranks, extra, "cpu")
-            peak = measure(name, ds, ranks, extra, work)
-            rows.append({"layout": name, "measured_bytes": peak, "estimate": est,
-                         "ratio": est["total"] / peak})
+            row = run_point("tiny", ds, ranks, 4, SEQ, MICRO, SHAPE + extra, work,
+                            log_interval=1)
+            peak = row["mem_peak_bytes"]
+            est = estimate_bytes("tiny", ds, ranks, SEQ, MICRO, SHAPE + extra,
+                                 row["vocab_size"], "cpu")
+            rows.append({"layout": name, "measured_bytes": peak, "estimate_bytes": est,
+                         "ratio": est / peak})
             print(f"{name:<16} measured {peak / 2**20:8.0f} MiB  estimated "
-                  f"{est['total'] / 2**20:8.0f} MiB  ratio {est['total'] / peak:.3f}", flush=True)
+                  f"{est / 2**20:8.0f} MiB  ratio {est / peak:.3f}", flush=True)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -96,37 +96,33 @@ def estimate_bytes(preset, ds_config, ranks, seq, micro, extra, vocab, device):
     return json.loads(proc.stdout)["bytes_per_rank"]["total"]
 
 
-def plot(rows, out: Path):
+def _paired_bars(path, labels, left, right, names, ylabel, title):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    x = range(len(labels))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(labels)), 4))
+    ax.bar([i - 0.2 for i in x], left, 0.4, label=names[0])
+    ax.bar([i + 0.2 for i in x], right, 0.4, label=names[1])
+    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(rows, out: Path):
     labels = [r["label"] for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    ax.bar([i - 0.2 for i in x], [r["tokens_per_s"] for r in rows], 0.4, label="dr_scale")
-    ax.bar([i + 0.2 for i in x], [r.get("peer_tokens_per_s") or 0 for r in rows], 0.4,
-           label="HF Llama + DeepSpeed")
-    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens/s (all ranks)")
-    ax.legend()
-    ax.set_title("throughput")
-    fig.tight_layout()
-    fig.savefig(out / "throughput.png", dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4))
-    ax.bar([i - 0.2 for i in x], [r["mem_peak_bytes"] / 2**20 for r in rows], 0.4,
-           label="measured peak")
-    ax.bar([i + 0.2 for i in x], [(r.get("mem_estimate_bytes") or 0) / 2**20 for r in rows],
-           0.4, label="dr-scale estimate")
-    ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("MiB per rank")
-    ax.legend()
-    ax.set_title("memory per rank")
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
-    plt.close(fig)
+    _paired_bars(out / "throughput.png", labels, [r["tokens_per_s"] for r in rows],
+                 [r.get("peer_tokens_per_s") or 0 for r in rows],
+                 ("dr_scale", "HF Llama + DeepSpeed"), "tokens/s (all ranks)", "throughput")
+    _paired_bars(out / "memory.png", labels, [r["mem_peak_bytes"] / 2**20 for r in rows],
+                 [(r.get("mem_estimate_bytes") or 0) / 2**20 for r in rows],
+                 ("measured peak", "dr-scale estimate"), "MiB per rank", "memory per rank")
 
 
 def table(rows) -> str:

@@ -1,6 +1,8 @@
 """Registration of every implementation shipped here, per op, best first:
 fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > torch (reference.py).
 """
+import torch.nn.functional as F
+
 from dr_scale.kernels import policy as P
 from dr_scale.kernels import reference
 from dr_scale.kernels.registry import APEX, CUDA, TORCH, TRITON, register_kernel
@@ -49,8 +51,7 @@ def attention_triton(q, k, v, causal=True, dropout_p=0.0, training=False):
 
 @register_kernel("attention", "sdpa", priority=TORCH + 1, devices=ANY, policy=P.ATTENTION)
 def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False):
-    import torch.nn.functional as F
-
+    """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                           dropout_p=dropout_p if training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])

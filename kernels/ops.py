@@ -8,9 +8,10 @@ from dr_scale.kernels import reference
 from dr_scale.kernels.registry import TORCH, Kernel, describe, select
 
 OPS = ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rotary", "cross_entropy")
-_active = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
-           "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
-           "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy}
+_REFERENCES = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
+               "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
+               "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy}
+_active = dict(_REFERENCES)
 _chosen: Dict[str, Kernel] = {}
 
 
@@ -29,9 +30,7 @@ def use_kernels(device_type: str, dtype=None, forced: Optional[Dict[str, str]] =
 def reset():
     """Back to the torch references (tests)."""
     _chosen.clear()
-    _active.update(rms_norm=reference.rms_norm, layer_norm=reference.layer_norm,
-                   swiglu=reference.swiglu, bias_gelu=reference.bias_gelu,
-                   rotary=reference.apply_rotary, cross_entropy=reference.cross_entropy)
+    _active.update(_REFERENCES)
 
 
 def _checked(kernel: Kernel):

@@ -43,15 +43,6 @@ class BlockStage(nn.Module):
         return self.block(x, self.rotary(x.shape[1]))
 
 
-class Apply(nn.Module):
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x):
-        return self.module(x)
-
-
 def pipeline_loss(logits, labels):
     return ops.cross_entropy(logits, labels)
 
@@ -73,8 +64,8 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, checkp
         head = TiedLayerSpec("embed", EmbeddingStage, body.embed_tokens.weight,
                              forward_fn=tied_head)
     else:
-        embed, head = EmbeddingStage(body.embed_tokens.weight), Apply(model.lm_head)
-    layers = [embed, *(BlockStage(b, body.rotary) for b in body.layers), Apply(body.norm), head]
+        embed, head = EmbeddingStage(body.embed_tokens.weight), model.lm_head
+    layers = [embed, *(BlockStage(b, body.rotary) for b in body.layers), body.norm, head]
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=1, num_dp=data_parallel)
     pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topo,
                           partition_method="parameters",
