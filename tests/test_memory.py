@@ -26,7 +26,9 @@ def test_monitor_samples_and_plots(tmp_path):
     mon = MemoryMonitor()
     blob = []
     for step in range(4):
-        blob.append(np.ones(20 * 2**20, dtype=np.uint8))  # grow by 20 MiB a step (pages touched)
+        # 64 MiB a step, pages touched: above glibc's largest mmap threshold (32 MiB), so each is
+        # a fresh mapping rather than heap an earlier test freed (which RSS already counts)
+        blob.append(np.ones(64 * 2**20, dtype=np.uint8))
         rec = mon.sample(step)
         assert rec["host_rss_bytes"] > 0
     rss = [s["host_rss_bytes"] for s in mon.samples]
