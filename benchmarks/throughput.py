@@ -45,7 +45,9 @@ def _run(cmd, ranks, what):
 
 def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_interval=5):
     """One dr_scale training job; the medians of its training records after the first window."""
-    run_dir = Path(workdir) / f"{preset}-{ds_config}-{ranks}r-{abs(hash(tuple(extra))) % 10**6}"
+    # A fresh folder per point: a sweep may repeat a point (A/B runs) and a config may be a path.
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{preset}-{Path(ds_config).stem}-{ranks}r-",
+                                    dir=workdir))
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", _port(), str(PRETRAIN),
            "--ds_config", ds_config, "--run_dir", str(run_dir), f"model.preset={preset}",
            f"train.max_steps={steps}", f"train.micro_batch_size={micro}",

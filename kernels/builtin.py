@@ -1,6 +1,8 @@
 """Registration of every implementation shipped here, per op, best first:
-fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > torch (reference.py).
+fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > torch (reference.py,
+or a torch form of it that keeps the input dtype where the policy allows).
 """
+import torch
 import torch.nn.functional as F
 
 from dr_scale.kernels import policy as P
@@ -134,8 +136,15 @@ def rotary_cuda(x, cos, sin):
     return cuda.apply_rotary(x, cos, sin)
 
 
-register_kernel("rotary", "torch", priority=TORCH, devices=ANY,
-                policy=P.ELEMENTWISE)(reference.apply_rotary)
+@register_kernel("rotary", "torch", priority=TORCH, devices=ANY, policy=P.ELEMENTWISE)
+def rotary_torch(x, cos, sin):
+    """The rotation in the input's dtype, as Hugging Face's Llama computes it. The fp32 reference
+    (reference.apply_rotary) makes two fp32 copies of q and k: on a CPU bf16 step of llama_125m it
+    took 5.1 ms against 2.1 ms per call (forward + backward), for a difference within the bf16
+    tolerance (max 0.7% of the largest value)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos.to(x.dtype), rotated, sin.to(x.dtype))
 
 
 # -- loss ----------------------------------------------------------------------------------------

@@ -59,3 +59,24 @@ def test_launcher_errors_name_the_config_key(cache_dir, tmp_path):
     assert proc.returncode == 2
     assert errors_of(proc) == ("dr_scale: error: model.kernels.layernorm: unknown op; known: "
                                "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_implementations_match_the_fp32_reference_under_their_policy(dtype):
+    """The registered torch implementations may compute in the input dtype (rotary does); the
+    fp32 reference is the measure, within the op's precision policy."""
+    from dr_scale.kernels import policy as P
+    from dr_scale.kernels.registry import KERNELS
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 33, 64, dtype=dtype, requires_grad=True)
+    cos, sin = reference.rotary_tables(33, 64, 10000.0)
+    grad = torch.randn(2, 4, 33, 64, dtype=dtype)
+    got = KERNELS["rotary"]["torch"].fn(x, cos, sin)
+    (dx,) = torch.autograd.grad(got, x, grad)
+    x32 = x.detach().float().requires_grad_()
+    want = reference.apply_rotary(x32, cos, sin)
+    (dx32,) = torch.autograd.grad(want, x32, grad.float())
+    rtol, atol = P.ELEMENTWISE.tolerance[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=atol)
+    torch.testing.assert_close(dx.float(), dx32, rtol=rtol, atol=atol)
