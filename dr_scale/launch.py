@@ -221,8 +221,9 @@ def run(args):
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
     shape, kernels_line = select_kernels(shape, cfg.model, device.type, dsc.precision(ds))
-    if topo.tensor > 1:
-        ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor))
+    if topo.tensor > 1 and topo.pipeline == 1:  # with a pipeline, applied to its stages below
+        ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor,
+                                                     cfg.parallel.vocab_parallel))
 
     t = cfg.train
     torch.manual_seed(t.seed)
@@ -271,15 +272,19 @@ def run(args):
                 f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
                 f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} data-parallel = "
                 f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
-    logger.info(f"layout: {topo.describe()}; {kernels_line}")
+    logger.info(f"layout: {topo.describe()}{lm_head_note(topo, cfg.parallel)}; {kernels_line}")
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))
     if topo.pipeline > 1:
         from dr_scale.parallel.pipeline import to_pipeline
 
-        model = to_pipeline(model, shape, topo.pipeline, topo.data)
+        model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor)
+        if topo.tensor > 1:
+            from dr_scale.parallel.tensor import shard_pipeline_stages
+
+            shard_pipeline_stages(model, shape, topo.tensor)
     mpu = None
-    if topo.tensor > 1:  # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
+    if topo.tensor > 1 and topo.pipeline == 1:  # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
         from deepspeed.utils import groups
 
         groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
@@ -342,6 +347,14 @@ def select_kernels(shape, model_cfg, device_type: str, precision: str):
     return shape, f"{line}, attention={kernel.name}"
 
 
+def lm_head_note(topo, parallel_cfg) -> str:
+    if topo.tensor == 1:
+        return ""
+    if topo.pipeline > 1:
+        return ", LM head replicated (vocab_parallel does not apply to pipeline stages)"
+    return ", LM head split by vocabulary" if parallel_cfg.vocab_parallel else ", LM head replicated"
+
+
 # Callbacks that act between backward and the optimizer step, which DeepSpeed's pipeline engine
 # runs inside one call, or that assume the model's own parameter names.
 _NOT_WITH_PIPELINE = ("per_layer_clip", "grad_norm_monitor", "ema")
@@ -354,10 +367,6 @@ def check_pipeline(topo, zero_stage: int, ds_path, callbacks_cfg=None):
         raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero_stage} with "
                            f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
                            f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
-    if topo.tensor > 1:
-        raise DrScaleError(f"parallel: tensor_parallel={topo.tensor} with pipeline_parallel="
-                           f"{topo.pipeline}: DeepSpeed AutoTP does not partition pipeline stages; "
-                           f"use one of the two")
     for name, opts in (callbacks_cfg or {}).items():
         if name in _NOT_WITH_PIPELINE and isinstance(opts, dict) and opts.get("enabled"):
             raise DrScaleError(f"callbacks.{name}: not available with parallel.pipeline_parallel="

@@ -59,11 +59,13 @@ def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
                 reference)
 
 
-@pytest.mark.parametrize("data, ranks, micro", [(1, 2, 2), (2, 4, 1)])
-def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data, ranks, micro):
-    """DP x PP = 1x2 and 2x2 with ZeRO-1: 1F1B over two micro-batches a step."""
-    losses, _, _, ds_norm = run(tmp_path, cache_dir, f"dp{data}_pp2", 1, ranks, micro,
-                                "parallel.pipeline_parallel=2", monitor=False)
+@pytest.mark.parametrize("data, tensor, micro", [(2, 1, 1), (1, 2, 2)])
+def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data, tensor, micro):
+    """DP x TP x PP = 2x1x2 and 1x2x2 with ZeRO-1 on 4 ranks: 1F1B over the step's
+    micro-batches; under TP each stage's linears are split across its tensor group."""
+    losses, _, _, ds_norm = run(tmp_path, cache_dir, f"dp{data}_tp{tensor}_pp2", 1, 4, micro,
+                                "parallel.pipeline_parallel=2",
+                                f"parallel.tensor_parallel={tensor}", monitor=False)
     assert losses == pytest.approx(reference[0], rel=1e-5)
     assert ds_norm == pytest.approx(reference[3], rel=1e-5)
 

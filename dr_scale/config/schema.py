@@ -86,6 +86,8 @@ class ParallelConfig(Section):
     # Data parallel is what remains: world / (tensor_parallel x pipeline_parallel).
     tensor_parallel: int = field(1, min=1, help="ranks per tensor-parallel group (DeepSpeed AutoTP)")
     pipeline_parallel: int = field(1, min=1, help="pipeline stages")
+    vocab_parallel: bool = field(True, help="with tensor_parallel > 1: split the LM head (and "
+                                 "the tied embedding) by vocabulary, loss computed on the slices")
     activation_checkpointing: str = field("none", choices=["none", "full", "selective"],
                                           help="full: whole blocks; selective: attention only")
     checkpoint_every: int = field(1, min=1, help="checkpoint every k-th block")

@@ -2,8 +2,7 @@
 import torch
 from torch import nn
 
-from dr_scale.kernels import ops
-from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, init_weights
+from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss, init_weights
 from dr_scale.registry import MODEL_REGISTRY
 
 
@@ -36,6 +35,7 @@ class GPT2LMHeadModel(nn.Module):
             self.lm_head.weight = self.wte.weight
         if self.wte.weight.device.type != "meta":
             init_weights(self, shape.init_std, shape.num_layers)
+        self.loss_function = causal_lm_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -45,4 +45,4 @@ class GPT2LMHeadModel(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits
-        return ops.cross_entropy(logits, labels)
+        return self.loss_function(logits, shift_labels=labels)

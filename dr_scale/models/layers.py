@@ -92,6 +92,15 @@ class GeluMLP(nn.Module):
         return self.fc_out(ops.bias_gelu(h, h.new_zeros(h.shape[-1])))
 
 
+def causal_lm_loss(logits, shift_labels, **_):
+    """Mean token cross-entropy (fp32) of logits against labels already shifted by the data.
+
+    Models keep it as their `loss_function` attribute, in the signature Hugging Face models use,
+    so that under tensor parallelism DeepSpeed can put its vocabulary-parallel loss in its place
+    (logits then hold only this rank's slice of the vocabulary)."""
+    return ops.cross_entropy(logits, shift_labels)
+
+
 # Projections that write into the residual stream; scaled at init (GPT-2 / Megatron practice).
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
 

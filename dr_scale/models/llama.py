@@ -6,8 +6,8 @@ export and import are a copy, not a translation.
 import torch
 from torch import nn
 
-from dr_scale.kernels import ops
-from dr_scale.models.layers import RMSNorm, Rotary, SelfAttention, SwiGLU, init_weights
+from dr_scale.models.layers import (RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss,
+                                    init_weights)
 from dr_scale.registry import MODEL_REGISTRY
 
 
@@ -44,6 +44,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         if self.lm_head.weight.device.type != "meta":
             init_weights(self, shape.init_std, shape.num_layers)
+        self.loss_function = causal_lm_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None):
         """Logits (batch, seq, vocab); with labels, the mean cross-entropy (fp32) instead."""
@@ -54,4 +55,4 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         if labels is None:
             return logits
-        return ops.cross_entropy(logits, labels)
+        return self.loss_function(logits, shift_labels=labels)

@@ -44,8 +44,9 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def split_parameters(shape, tp: int):
-    """(tensor-parallel-sharded, replicated) parameter counts, from the meta-device model."""
+def split_parameters(shape, tp: int, vocab_parallel: bool = False):
+    """(tensor-parallel-sharded, replicated) parameter counts, from the meta-device model; with
+    vocab_parallel the LM head (and the embedding tied to it) count as sharded."""
     import re
 
     from dr_scale.models import build_model
@@ -55,11 +56,12 @@ def split_parameters(shape, tp: int):
     patterns = [re.compile(p) for spec in PLANS.get(shape.arch, []) for p in spec["patterns"]]
     sharded = replicated = 0
     seen = set()
+    head = id(model.lm_head.weight) if vocab_parallel and tp > 1 else None
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if tp > 1 and any(pat.match(name) for pat in patterns):
+        if id(p) == head or (tp > 1 and any(pat.match(name) for pat in patterns)):
             sharded += p.numel()
         else:
             replicated += p.numel()
@@ -79,7 +81,8 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
 
 
 def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool, world: int,
-             tp: int = 1, pp: int = 1, micro_batch: int, seq_length: int,
+             tp: int = 1, pp: int = 1, vocab_parallel: bool = False, micro_batch: int,
+             seq_length: int,
              checkpointing: str = "none", checkpoint_every: int = 1,
              device_type: str = "cpu", reduce_bucket: float = 5e8,
              prefetch_bucket: float = 5e7, contiguous_gradients: bool = True) -> MemoryEstimate:
@@ -88,7 +91,8 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
     dp = world // (tp * pp)
     lp = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
-    sharded, replicated = split_parameters(shape, tp)
+    vocab_parallel = vocab_parallel and tp > 1 and pp == 1  # pipeline stages keep the head whole
+    sharded, replicated = split_parameters(shape, tp, vocab_parallel)
     n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
     n /= pp  # a stage holds its share of the layers (balanced by parameters)
 
@@ -114,7 +118,8 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
         acts = layers * (per_layer - attn / max(1, checkpoint_every))
     else:
         acts = layers * per_layer
-    logits = tokens * shape.vocab_size * (lp + 4 + 4)  # logits, fp32 log-softmax, fp32 gradient
+    # logits, fp32 log-softmax, fp32 gradient; a vocabulary-parallel head holds its slice
+    logits = tokens * shape.vocab_size * (lp + 4 + 4) / (tp if vocab_parallel else 1)
     activations = acts / tp + logits
     if zero_stage >= 2 and contiguous_gradients:
         buffers = reduce_bucket * lp
@@ -149,7 +154,8 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> Mem
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
     return estimate(shape, precision=dsc.precision(ds), zero_stage=stage, **buckets,
                     offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
-                    pp=cfg.parallel.pipeline_parallel, micro_batch=cfg.train.micro_batch_size,
+                    pp=cfg.parallel.pipeline_parallel,
+                    vocab_parallel=cfg.parallel.vocab_parallel, micro_batch=cfg.train.micro_batch_size,
                     seq_length=cfg.data.seq_length,
                     checkpointing=cfg.parallel.activation_checkpointing,
                     checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type)

@@ -47,8 +47,11 @@ def pipeline_loss(logits, labels):
     return ops.cross_entropy(logits, labels)
 
 
-def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, checkpoint_every=0):
-    """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM)."""
+def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
+                checkpoint_every=0):
+    """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM); with
+    tensor_parallel > 1 its grid holds the tensor groups (parallel.tensor.shard_pipeline_stages
+    then splits each stage's linears)."""
     from deepspeed.pipe import PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
@@ -66,7 +69,8 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, checkp
     else:
         embed, head = EmbeddingStage(body.embed_tokens.weight), model.lm_head
     layers = [embed, *(BlockStage(b, body.rotary) for b in body.layers), body.norm, head]
-    topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=1, num_dp=data_parallel)
+    topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
+                                          num_dp=data_parallel)
     pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topo,
                           partition_method="parameters",
                           activation_checkpoint_interval=checkpoint_every)

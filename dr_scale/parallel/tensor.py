@@ -2,9 +2,17 @@
 
 The plan names the model's linears by pattern: Megatron-style column-parallel for the projections
 that fan out (q, k, v, gate, up, fc_in) and row-parallel for those that write back into the
-residual stream (o, down, fc_out), one all-reduce per attention and per MLP block. Embeddings,
-norms and the LM head stay replicated. The model itself is untouched: attention infers its local
-head count from the projection's output width.
+residual stream (o, down, fc_out), one all-reduce per attention and per MLP block. With
+`parallel.vocab_parallel` (the default) the LM head is split by vocabulary rows, the embedding
+tied to it shares that slice, and the loss is DeepSpeed's vocabulary-parallel cross-entropy
+(installed as the model's `loss_function`): no rank holds the whole (tokens x vocabulary) logits.
+An untied input embedding and the norms stay replicated. The model itself is untouched:
+attention infers its local head count from the projection's output width.
+
+Under pipeline parallelism DeepSpeed's engine cannot apply AutoTP (it builds its tensor groups
+as a (data, tensor) mesh of the whole world), so `shard_pipeline_stages` applies DeepSpeed's
+own AutoTP, with the same plan, to the layers of this rank's stage over the pipeline grid's
+tensor group.
 
 Why AutoTP rather than megatron-core's tensor_parallel layers: both give the dense block's
 outputs and gradients (max error 2.2e-07 in fp32), and benchmarks/tp_backends.py, a Llama MLP
@@ -38,11 +46,39 @@ def check_divisible(shape, tp: int):
             raise DrScaleError(f"parallel.tensor_parallel={tp} does not divide model.{key}={value}")
 
 
-def autotp_section(shape, tp: int) -> dict:
+def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
     """The DeepSpeed `tensor_parallel` config section for this model and TP size."""
     if shape.arch not in PLANS:
         raise DrScaleError(f"parallel.tensor_parallel: no tensor-parallel plan for model arch "
                            f"'{shape.arch}'; plans exist for {', '.join(sorted(PLANS))}")
     check_divisible(shape, tp)
-    return {"autotp_size": tp,
-            "partition_config": {"use_default_specs": False, "layer_specs": PLANS[shape.arch]}}
+    if vocab_parallel and shape.vocab_size < tp:
+        raise DrScaleError(f"parallel.vocab_parallel: model.vocab_size={shape.vocab_size} is "
+                           f"smaller than tensor_parallel={tp}")
+    section = {"autotp_size": tp,
+               "partition_config": {"use_default_specs": False, "layer_specs": PLANS[shape.arch]}}
+    if vocab_parallel:
+        section["vocab_parallel_lm_head"] = True
+    return section
+
+
+def shard_pipeline_stages(pipe, shape, tp: int):
+    """Partition the linears of this rank's pipeline stage by the model's plan, over the tensor
+    group of the pipeline grid (the ranks of one stage and one data-parallel replica)."""
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+    from deepspeed.module_inject.layers import set_autotp_mode
+    from torch import nn
+
+    plan = AutoTPConfig.from_dict(autotp_section(shape, tp)["partition_config"])
+    plan.tp_size = tp
+    autotp = AutoTP(module=pipe, all_reduce_linears=(), prefix="", state_dict=None,
+                    linear_layer_setting=(nn.Linear, nn.Embedding), orig_layer_impl=None,
+                    partition_config=plan, training_mode=True)
+    # Outside training mode AutoTP takes the group it is given; in training mode it would read
+    # DeepSpeed's global (data, tensor) mesh instead, which a pipeline does not use.
+    autotp.set_tensor_parallel_config(tp, pipe.mpu().get_slice_parallel_group())
+    set_autotp_mode(training=True)
+    autotp.update_linear_policies()
+    autotp._replace_module(pipe)
+    autotp.register_replicated_grad_hooks(pipe)

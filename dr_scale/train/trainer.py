@@ -96,10 +96,14 @@ class Trainer:
         """Mean held-out token loss over all data-parallel ranks, with the current weights."""
         self.engine.eval()
         totals = torch.zeros(2, dtype=torch.float64)
+        last_shape = None
         for batch in eval_batches(self.sources.valid, self.layout["micro"], self.dp_size,
                                   self.dp_rank):
             batch = batch.to(self.device)
             if self.pipelined:
+                if batch.shape != last_shape:  # the stages keep their buffers' shapes otherwise
+                    self.engine.reset_activation_shape()
+                    last_shape = batch.shape
                 loss = self.engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]),
                                               num_micro_batches=1)
             else:
@@ -107,6 +111,8 @@ class Trainer:
             tokens = batch[:, 1:].numel()
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
         dist.all_reduce(totals)
+        if self.pipelined and last_shape is not None:
+            self.engine.reset_activation_shape()  # training batches may differ from the last one
         self.engine.train()
         _forget_zero3_trace(self.engine)
         self._eval_tokens = int(totals[1])
