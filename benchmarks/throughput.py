@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput sweep: presets x DeepSpeed configs x tensor-parallel layouts x micro-batch x
+"""Throughput sweep: presets x DeepSpeed configs x tensor x pipeline layouts x micro-batch x
 sequence length x activation checkpointing x attention, each point its own launcher job; beside
 each, the Hugging Face LlamaForCausalLM peer of the same shape under the same DeepSpeed config and
 ranks, and the memory estimator's prediction.
@@ -151,6 +151,9 @@ def main(argv=None):
     p.add_argument("--presets", nargs="+", default=["tiny"])
     p.add_argument("--ds_configs", nargs="+", default=["zero0", "zero1", "zero2", "zero3"])
     p.add_argument("--tensor_parallel", nargs="+", type=int, default=[1])
+    p.add_argument("--pipeline_parallel", nargs="+", type=int, default=[1],
+                   help="stages (ZeRO-0/1; give train.global_batch_size=... so a step has "
+                        "several micro-batches)")
     p.add_argument("--micro_batch_sizes", nargs="+", type=int, default=[8])
     p.add_argument("--seq_lengths", nargs="+", type=int, default=[256])
     p.add_argument("--checkpointing", nargs="+", default=["none"],
@@ -169,22 +172,25 @@ def main(argv=None):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if _has_cuda() else "cpu"
-    grid = list(itertools.product(a.presets, a.ds_configs, a.tensor_parallel, a.micro_batch_sizes,
-                                  a.seq_lengths, a.checkpointing, a.attention))
+    grid = list(itertools.product(a.presets, a.ds_configs, a.tensor_parallel, a.pipeline_parallel,
+                                  a.micro_batch_sizes, a.seq_lengths, a.checkpointing,
+                                  a.attention))
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        for i, (preset, ds, tp, micro, seq, ckpt, attn) in enumerate(grid, 1):
-            extra = [f"parallel.tensor_parallel={tp}", f"parallel.activation_checkpointing={ckpt}",
-                     f"model.attention={attn}", *a.overrides]
-            label = f"{preset} {ds} DP{a.ranks // tp}xTP{tp} m{micro} s{seq}" + \
+        for i, (preset, ds, tp, pp, micro, seq, ckpt, attn) in enumerate(grid, 1):
+            extra = [f"parallel.tensor_parallel={tp}", f"parallel.pipeline_parallel={pp}",
+                     f"parallel.activation_checkpointing={ckpt}", f"model.attention={attn}",
+                     *a.overrides]
+            layout = f"DP{a.ranks // (tp * pp)}xTP{tp}" + (f"xPP{pp}" if pp > 1 else "")
+            label = f"{preset} {ds} {layout} m{micro} s{seq}" + \
                 (f" ckpt={ckpt}" if ckpt != "none" else "") + (f" {attn}" if attn != "sdpa" else "")
             print(f"[{i}/{len(grid)}] {label} ...", file=sys.stderr, flush=True)
             row = run_point(preset, ds, a.ranks, a.steps, seq, micro, extra, work)
-            row.update(label=label, layout=f"DP{a.ranks // tp}xTP{tp}", tensor_parallel=tp,
+            row.update(label=label, layout=layout, tensor_parallel=tp, pipeline_parallel=pp,
                        activation_checkpointing=ckpt, attention=attn)
             row["mem_estimate_bytes"] = estimate_bytes(preset, ds, a.ranks, seq, micro, extra,
                                                        row["vocab_size"], device)
-            if not a.no_peer and tp == 1 and ckpt == "none" and attn == "sdpa":
+            if not a.no_peer and tp == pp == 1 and ckpt == "none" and attn == "sdpa":
                 print(f"[{i}/{len(grid)}] peer: HF LlamaForCausalLM, same shape and config ...",
                       file=sys.stderr, flush=True)
                 peer = run_peer(preset, ds, a.ranks, a.steps, seq, micro, row["vocab_size"], work)

@@ -51,9 +51,9 @@ def cmd_export(a):
     if out.exists() and any(out.iterdir()):
         raise DrScaleError(f"{out}: exists and is not empty; choose a new --out")
     if a.ema:
-        from dr_scale.train.checkpoint import load_ema_state
+        from dr_scale.export.consolidate import ema_state_dict
 
-        state = load_ema_state(ckpt_dir / tag, shape.tie_embeddings)
+        state = ema_state_dict(ckpt_dir / tag, shape)
     else:
         state = consolidated_state_dict(ckpt_dir, tag, shape)
     tok = Tokenizer(run_dir / "tokenizer.model")

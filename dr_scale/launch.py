@@ -140,14 +140,14 @@ def prepare_data(cfg, layout):
                          eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
 
 
-def plan_resume(ckpt_dir: Path, world: int, ds: dict):
+def plan_resume(ckpt_dir: Path, world: int, ds: dict, topo: Topology):
     """(step, plan) for --resume; with another number of ranks or ZeRO stage, rank 0 converts the
     checkpoint to DeepSpeed's universal format first (once) and every rank loads that."""
     from dr_scale.train.checkpoint import (convert_to_universal, find_tag, reshard_plan,
                                            step_of)
 
     tag = find_tag(ckpt_dir)
-    plan = reshard_plan(ckpt_dir, tag, world, dsc.zero_stage(ds))
+    plan = reshard_plan(ckpt_dir, tag, world, dsc.zero_stage(ds), topo.tensor, topo.pipeline)
     if plan == "universal":
         if dist.get_rank() == 0:
             print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-"
@@ -206,7 +206,7 @@ def run(args):
     run_dir = choose_run_dir(run_dir, cfg, args.resume)
     resume_step, resume_plan = None, None
     if args.resume:
-        resume_step, resume_plan = plan_resume(run_dir / "checkpoints", world, ds)
+        resume_step, resume_plan = plan_resume(run_dir / "checkpoints", world, ds, topo)
         if resume_plan == "universal":
             ds = dict(ds, checkpoint=dict(ds.get("checkpoint", {}), load_universal=True))
     callbacks = build_callbacks(cfg.callbacks)
@@ -221,6 +221,11 @@ def run(args):
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
     shape, kernels_line = select_kernels(shape, cfg.model, device.type, dsc.precision(ds))
+    if cfg.parallel.sequence_parallel:
+        from dr_scale.parallel import sequence
+
+        sequence.check(shape, topo.tensor, cfg.data.seq_length, cfg.parallel.vocab_parallel,
+                       topo.pipeline)
     if topo.tensor > 1 and topo.pipeline == 1:  # with a pipeline, applied to its stages below
         ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor,
                                                      cfg.parallel.vocab_parallel))
@@ -291,6 +296,8 @@ def run(args):
         mpu = groups
     engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
                                 scheduler, ds_path, mpu)
+    if cfg.parallel.sequence_parallel:  # AutoTP's layers exist only after initialize
+        sequence.apply(engine.module, shape.arch)
     trainer = Trainer(engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger, fpt,
                       peak, device, callbacks, stop_at_step=args.stop_at_step,
                       resume_plan=resume_plan, hardware_flops_per_token=hw_fpt)
@@ -352,7 +359,8 @@ def lm_head_note(topo, parallel_cfg) -> str:
         return ""
     if topo.pipeline > 1:
         return ", LM head replicated (vocab_parallel does not apply to pipeline stages)"
-    return ", LM head split by vocabulary" if parallel_cfg.vocab_parallel else ", LM head replicated"
+    note = ", LM head split by vocabulary" if parallel_cfg.vocab_parallel else ", LM head replicated"
+    return note + (", sequence parallel" if parallel_cfg.sequence_parallel else "")
 
 
 # Callbacks that act between backward and the optimizer step, which DeepSpeed's pipeline engine

@@ -1,8 +1,10 @@
-"""Tensor parallelism, data x tensor layouts and activation checkpointing: per-step losses over
-5 steps and, after the first step, the gradient norm of every parameter (whole parameters, TP
-slices and ZeRO shards combined) equal to the 1-rank run of the same model and data (fp32, within
-1e-5 relative), and one-line refusals of what is not supported."""
+"""Tensor parallelism, data x tensor x pipeline layouts and activation checkpointing: per-step
+losses over 5 steps and, after the first step, the gradient norm of every parameter (whole
+parameters, TP slices and ZeRO shards combined) equal to the 1-rank run of the same model and
+data (fp32, within 1e-5 relative); the exported weights of every parallel run equal the 1-rank
+run's; one-line refusals of what is not supported."""
 import pytest
+import torch
 
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
@@ -15,18 +17,31 @@ COMMON = ["data.seq_length=64", f"train.max_steps={STEPS}", "train.warmup_steps=
           "train.log_interval=1", "train.eval_interval=100", "train.save_interval=100",
           "train.eval_samples=4", "train.global_batch_size=4", "train.lr=3e-3",
           "logging.plot=false", "logging.tensorboard=false",
-          "callbacks={grad_norm_monitor: {enabled: true, top_k: 100}}"]
+          "callbacks={grad_norm_monitor: {enabled: true, top_k: 100}, "
+          "ema: {enabled: true, decay: 0.5}}"]
 
 
 def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra, monitor=True):
     out = tmp_path / name
-    common = COMMON if monitor else COMMON[:-1]  # the pipeline engine takes no after_backward
+    # the pipeline engine takes no after_backward callbacks (the monitor, EMA)
+    common = COMMON if monitor else COMMON[:-1]
     launch(["--run_dir", out, "--ds_config", fp32_config(tmp_path, stage), *common,
             f"train.micro_batch_size={micro}", *extra], ranks, cache_dir)
     train = [r for r in records(out) if "loss" in r]
     assert len(train) == STEPS
     return ([r["loss"] for r in train], dict(train[0].get("grad_norm_top", {})),
-            train[0].get("grad_norm_total"), train[0]["grad_norm"])
+            train[0].get("grad_norm_total"), train[0]["grad_norm"], exported(out),
+            exported(out, ema=True) if monitor else None, out)
+
+
+def exported(run_dir, ema=False):
+    """The full fp32 weights `dr-scale export [--ema]` writes from the run's last checkpoint."""
+    from dr_scale.export.consolidate import consolidated_state_dict, ema_state_dict, run_shape
+
+    tag, shape = f"step_{STEPS:08d}", run_shape(run_dir)
+    if ema:
+        return ema_state_dict(run_dir / "checkpoints" / tag, shape)
+    return consolidated_state_dict(run_dir / "checkpoints", tag, shape)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +49,23 @@ def reference(tmp_path_factory, cache_dir):
     return run(tmp_path_factory.mktemp("ref"), cache_dir, "ref", 1, 1, 4)
 
 
+def assert_same_weights(got, want):
+    """Slices joined (TP), stages renamed (PP), shards gathered (ZeRO): the 1-rank weights after
+    5 AdamW steps at lr 3e-3. Adam normalizes each element's update, so where gradients are near
+    zero (embedding rows of rare tokens) the rounding of a different reduction order shows at
+    ~1e-5 (measured 1.2e-5 at most); atol 1e-4 is still 30x below one step's update, and a
+    misplaced slice or an unsynchronized replica is off by ~1e-2."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
 def assert_same(got, want):
-    losses, param_norms, total_norm, ds_norm = got
+    losses, param_norms, total_norm, ds_norm, weights, ema, _ = got
+    assert_same_weights(weights, want[4])
+    assert_same_weights(ema, want[5])  # the EMA, kept on each rank's slices and shards
+    assert not torch.equal(ema["lm_head.weight"], weights["lm_head.weight"])
     assert ds_norm == pytest.approx(want[3], rel=1e-5)  # DeepSpeed's global norm, step 1
     assert losses == pytest.approx(want[0], rel=1e-5)
     assert PARAM in param_norms and len(param_norms) == len(want[1]) > 30  # every parameter
@@ -50,8 +80,27 @@ def test_reference_learns(reference):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
-    assert_same(run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4,
-                    "parallel.tensor_parallel=2"), reference)
+    got = run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4, "parallel.tensor_parallel=2")
+    assert_same(got, reference)
+    # Resuming it: the same layout loads directly; another TP size, or another number of ranks
+    # (DeepSpeed's universal conversion would join row-parallel slices wrongly), is refused.
+    from dr_scale.train.checkpoint import reshard_plan
+
+    ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
+    assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"
+    with pytest.raises(DrScaleError, match="written with tensor_parallel=2 x pipeline_parallel=1, "
+                                           "resumed with 1 x 1"):
+        reshard_plan(ckpt, tag, 2, stage, tensor=1)
+    with pytest.raises(DrScaleError, match="resumes on 2 rank.s. only, not 4"):
+        reshard_plan(ckpt, tag, 4, stage, tensor=2)
+
+
+def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
+    """TP 2 with sequence parallelism (norms and residuals on half the sequence each), with
+    selective recomputation on top: the collectives run again in the recomputed forward."""
+    assert_same(run(tmp_path, cache_dir, "tp2_sp", 1, 2, 4, "parallel.tensor_parallel=2",
+                    "parallel.sequence_parallel=true",
+                    "parallel.activation_checkpointing=selective"), reference)
 
 
 def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
@@ -63,11 +112,12 @@ def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
 def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data, tensor, micro):
     """DP x TP x PP = 2x1x2 and 1x2x2 with ZeRO-1 on 4 ranks: 1F1B over the step's
     micro-batches; under TP each stage's linears are split across its tensor group."""
-    losses, _, _, ds_norm = run(tmp_path, cache_dir, f"dp{data}_tp{tensor}_pp2", 1, 4, micro,
-                                "parallel.pipeline_parallel=2",
-                                f"parallel.tensor_parallel={tensor}", monitor=False)
+    losses, _, _, ds_norm, weights, _, _ = run(tmp_path, cache_dir, f"dp{data}_tp{tensor}_pp2", 1, 4,
+                                         micro, "parallel.pipeline_parallel=2",
+                                         f"parallel.tensor_parallel={tensor}", monitor=False)
     assert losses == pytest.approx(reference[0], rel=1e-5)
     assert ds_norm == pytest.approx(reference[3], rel=1e-5)
+    assert_same_weights(weights, reference[4])
 
 
 @pytest.mark.parametrize("mode, every", [("full", 2), ("selective", 1)])
@@ -85,6 +135,23 @@ def test_topology_layout_and_errors():
     with pytest.raises(DrScaleError, match="tensor_parallel=4 x pipeline_parallel=1 does not "
                                            "divide the world of 6 ranks"):
         Topology(6, tensor=4)
+
+
+def test_sequence_parallel_refusals():
+    from dr_scale.parallel.sequence import check
+    from tests.test_models import shape_of
+
+    llama = shape_of("model.preset=tiny", vocab=64)
+    check(llama, 2, 64, True, 1)  # supported: no error
+    for args, message in [((llama, 1, 64, True, 1), "needs tensor_parallel > 1"),
+                          ((llama, 2, 64, True, 2), "and pipeline_parallel=1"),
+                          ((llama, 2, 64, False, 1), "needs parallel.vocab_parallel=true"),
+                          ((llama, 2, 63, True, 1), "seq_length=63 is not a multiple of "
+                                                    "tensor_parallel=2"),
+                          ((shape_of("model.preset=gpt2_tiny", vocab=64), 2, 64, True, 1),
+                           "built for llama models")]:
+        with pytest.raises(DrScaleError, match=message):
+            check(*args)
 
 
 def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):

@@ -100,7 +100,7 @@ def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
         sq[mine] = torch.stack(parts).to(device)
     if any(g.partitioned for g in grads) and dist.is_initialized():
         # Whole copies must count once: only the first rank of the group contributes them.
-        group = _dp_group(engine)
+        group = data_parallel_group(engine)
         if dist.get_rank(group=group) != 0:
             whole = [i for i, g in enumerate(grads) if not g.partitioned]
             sq[whole] = 0
@@ -115,7 +115,7 @@ def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
     return sq.sqrt() / loss_scale(engine)
 
 
-def _dp_group(engine):
+def data_parallel_group(engine):
     """The data-parallel group (tensor-parallel ranks excluded)."""
     return getattr(engine, "seq_data_parallel_group", None) or \
         getattr(engine, "data_parallel_group", None)

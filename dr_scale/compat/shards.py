@@ -10,6 +10,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from dr_scale.compat.grads import data_parallel_group
+
 
 @dataclass
 class Shard:
@@ -64,7 +66,8 @@ def _zero0_masters(opt) -> dict:
 def write_values(engine, shards: List[Shard], values: List[torch.Tensor]):
     """Make the forward pass read ``values`` (one per shard). ZeRO-3 ranks write their own
     partitions (the forward gathers them); under ZeRO-1/2 each whole parameter is assembled from
-    every rank's fragment (an all-reduce per parameter, on every rank in the same order)."""
+    every rank's fragment (an all-reduce per parameter over the data-parallel group, on every rank
+    in the same order; tensor ranks hold different slices and stay apart)."""
     gather = engine.zero_optimization_stage() in (1, 2)
     mine = {s.name: (s, v) for s, v in zip(shards, values)}
     for name, p in engine.module.named_parameters():
@@ -81,6 +84,6 @@ def write_values(engine, shards: List[Shard], values: List[torch.Tensor]):
         full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         if entry is not None:
             full.narrow(0, entry[0].start, entry[0].numel).copy_(entry[1])
-        if gather:
-            dist.all_reduce(full)  # fragments are disjoint: their sum is the whole parameter
+        if gather:  # fragments are disjoint across the data-parallel group: their sum is p
+            dist.all_reduce(full, group=data_parallel_group(engine))
         p.data.copy_(full.view_as(p))

@@ -85,6 +85,8 @@ class LoggingConfig(Section):
 class ParallelConfig(Section):
     # Data parallel is what remains: world / (tensor_parallel x pipeline_parallel).
     tensor_parallel: int = field(1, min=1, help="ranks per tensor-parallel group (DeepSpeed AutoTP)")
+    sequence_parallel: bool = field(False, help="with tensor_parallel > 1: norms and residuals "
+                                    "on 1/TP of the sequence (Megatron-LM sequence parallelism)")
     pipeline_parallel: int = field(1, min=1, help="pipeline stages")
     vocab_parallel: bool = field(True, help="with tensor_parallel > 1: split the LM head (and "
                                  "the tied embedding) by vocabulary, loss computed on the slices")

@@ -1,5 +1,18 @@
-"""One full fp32 state dict from a DeepSpeed checkpoint of any ZeRO stage."""
+"""One full fp32 state dict from a DeepSpeed checkpoint of any ZeRO stage, tensor-parallel
+layout or pipeline stages.
+
+Tensor-parallel checkpoints hold one set of files per tensor rank (`mp_rank_NN`): each rank's
+slices are consolidated on their own by the ZeRO path below, then joined along the one dimension
+where a slice is smaller than the model's parameter (column-parallel rows, row-parallel columns,
+vocabulary rows of a split LM head); parameters of full size were replicated. Pipeline
+checkpoints hold one file per layer and tensor rank (`layer_NN-model_MM`), named by the
+PipelineModule's layer index: they are mapped back to the model's names (embedding, blocks, final
+norm, untied head). They carry the weights the stages trained with (16-bit under a bf16 config);
+their fp32 masters sit in per-stage optimizer shards that are not read here.
+"""
 import json
+import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -49,6 +62,31 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
+    if list(tag_dir.glob("layer_*-model_*-model_states.pt")):
+        return _pipeline_state(tag_dir, shape)
+    tensor_ranks = _tensor_ranks(tag_dir)
+    if len(tensor_ranks) > 1:
+        return _join_tensor_slices([_one_tensor_rank(tag_dir, r, shape) for r in tensor_ranks],
+                                   shape, tag_dir)
+    return _one_rank_state(ckpt_dir, tag, shape)
+
+
+def ema_state_dict(tag_dir: Path, shape: ModelShape) -> dict:
+    """The EMA weights the ema callback saved, joined over tensor ranks like the weights."""
+    from dr_scale.train.checkpoint import load_ema_state
+
+    tp = max(1, len(_tensor_ranks(tag_dir)))
+    slices = [load_ema_state(tag_dir, shape.tie_embeddings, r, tp) for r in range(tp)]
+    return slices[0] if tp == 1 else _join_tensor_slices(slices, shape, tag_dir)
+
+
+def _tensor_ranks(tag_dir: Path) -> list:
+    return sorted({m.group(1) for f in tag_dir.glob("*_model_states.pt")
+                   if (m := re.search(r"mp_rank_(\d+)", f.name))})
+
+
+def _one_rank_state(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict:
+    tag_dir = ckpt_dir / tag
     if list(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):  # ZeRO-1, 2 and 3 shards
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -59,3 +97,63 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict
                                f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
         return {k: v.float() for k, v in state.items()}
     return _zero0_state(tag_dir, shape)
+
+
+def _one_tensor_rank(tag_dir: Path, rank: str, shape: ModelShape) -> dict:
+    """The consolidated slices of one tensor rank: its files, seen under rank 00's names (the
+    ZeRO consolidation reads one tensor rank's layout) in a folder of links."""
+    with tempfile.TemporaryDirectory() as tmp:
+        view = Path(tmp) / tag_dir.name
+        view.mkdir()
+        for f in tag_dir.glob(f"*mp_rank_{rank}_*.pt"):
+            (view / f.name.replace(f"mp_rank_{rank}", "mp_rank_00")).symlink_to(f.resolve())
+        return _one_rank_state(Path(tmp), tag_dir.name, shape)  # shapes come from the files
+
+
+def _join_tensor_slices(slices: list, shape: ModelShape, tag_dir: Path) -> dict:
+    full = {n: p.shape for n, p in build_model(shape, device="meta").state_dict().items()}
+    if shape.tie_embeddings:  # the ZeRO consolidation names a tied weight once
+        for s in slices:
+            s.setdefault("lm_head.weight", s.get("model.embed_tokens.weight"))
+    out = {}
+    for name, want in full.items():
+        parts = [s.get(name) for s in slices]
+        if any(p is None for p in parts):
+            raise DrScaleError(f"{tag_dir}: tensor rank files disagree on parameter {name}")
+        if parts[0].shape == want:
+            out[name] = parts[0]
+            continue
+        dims = [d for d in range(len(want)) if parts[0].shape[d] != want[d]]
+        joined = torch.cat(parts, dim=dims[0]) if len(dims) == 1 else None
+        if joined is None or joined.shape != want:
+            raise DrScaleError(f"{tag_dir}: {name}: {len(parts)} slices of shape "
+                               f"{tuple(parts[0].shape)} do not join into {tuple(want)}")
+        out[name] = joined
+    return out
+
+
+def _pipeline_state(tag_dir: Path, shape: ModelShape) -> dict:
+    """Layer files back to model names: 0 the embedding, 1..L the blocks, L+1 the final norm,
+    L+2 an untied LM head (a tied head is the embedding)."""
+    L = shape.num_layers
+    slices = {}
+    for f in sorted(tag_dir.glob("layer_*-model_*-model_states.pt")):
+        layer, rank = map(int, re.match(r"layer_(\d+)-model_(\d+)", f.name).groups())
+        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+            if layer == 0:
+                name = "model.embed_tokens.weight"
+            elif layer <= L:
+                name = f"model.layers.{layer - 1}.{key.removeprefix('block.')}"
+            elif layer == L + 1:
+                name = f"model.norm.{key}"
+            else:
+                name = f"lm_head.{key}"
+            slices.setdefault(rank, {})[name] = value.float()
+    if shape.tie_embeddings:
+        for state in slices.values():
+            if "model.embed_tokens.weight" in state:
+                state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    ranks = [slices[r] for r in sorted(slices)]
+    if len(ranks) == 1:
+        return ranks[0]
+    return _join_tensor_slices(ranks, shape, tag_dir)

@@ -54,12 +54,14 @@ class SelfAttention(nn.Module):
         self.dropout = shape.dropout
 
     def forward(self, x, rotary=None):
-        b, s, _ = x.shape
-        # Head counts come from the projections' widths: under tensor parallelism each rank
-        # holds a slice of the heads, and the module need not know it.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # Head counts and length come from the projections' outputs: under tensor parallelism
+        # each rank holds a slice of the heads, under sequence parallelism x is a slice of the
+        # sequence and the projections return all of it; the module need not know either.
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
             cos, sin = rotary
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)

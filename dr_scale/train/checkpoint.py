@@ -163,11 +163,37 @@ def saved_zero_family(tag_dir: Path) -> int:
     return 0
 
 
-def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int):
+def saved_parallel_layout(tag_dir: Path) -> tuple:
+    """(tensor_parallel, pipeline_parallel) the checkpoint was written with: from our rank-0
+    state, or, in checkpoints older than that field, the tensor ranks of DeepSpeed's file names."""
+    state = torch.load(tag_dir / STATE_FILE.format(rank=0), map_location="cpu", weights_only=True)
+    if "parallel" in state:
+        return state["parallel"]["tensor"], state["parallel"]["pipeline"]
+    ranks = {m.group(1) for f in tag_dir.glob("*model_states.pt")
+             if (m := re.search(r"(?:mp_rank_|-model_)(\d+)", f.name))}
+    return max(1, len(ranks)), 1
+
+
+def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
+                 tensor: int = 1, pipeline: int = 1):
     """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
     checkpoint, converted on first use); one line of error where neither can work."""
     tag_dir = Path(ckpt_dir) / tag
     written = ranks_written(tag_dir)
+    saved = saved_parallel_layout(tag_dir)
+    if saved != (tensor, pipeline):
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]}, "
+            f"resumed with {tensor} x {pipeline}: resume with the same parallel.tensor_parallel and "
+            f"parallel.pipeline_parallel (to change them, `dr-scale export` the weights and start "
+            f"a run from them with model.init_from)")
+    if (tensor > 1 or pipeline > 1) and written != world_size:
+        # DeepSpeed's universal conversion joins AutoTP's row-parallel slices on the wrong
+        # dimension (o_proj came out 2x taller): a wrong model, not an error. Refuse it.
+        raise DrScaleError(
+            f"{tag_dir}: a tensor- or pipeline-parallel checkpoint of {written} rank(s) resumes on "
+            f"{written} rank(s) only, not {world_size}; to change the data-parallel size, "
+            f"`dr-scale export` the weights and start a run from them with model.init_from")
     family = saved_zero_family(tag_dir)
     shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
@@ -269,13 +295,18 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
     return state, path
 
 
-def load_ema_state(tag_dir: Path, tie_embeddings: bool) -> dict:
-    """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint."""
+def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
+                   tensor_parallel: int = 1) -> dict:
+    """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint; under
+    tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
     from dr_scale.compat.ema import assemble
 
     tag_dir = Path(tag_dir)
     states = []
     for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
+        rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
+        if rank % tensor_parallel != tensor_rank:  # tensor ranks are the fastest-varying
+            continue
         cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", [])
         states += [cb for cb in cbs if isinstance(cb, dict) and "ema" in cb and "names" in cb]
     if not states:

@@ -68,6 +68,8 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.step * self.layout["global"],
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
+                "parallel": {"tensor": self.cfg.parallel.tensor_parallel,
+                             "pipeline": self.cfg.parallel.pipeline_parallel},
                 "callbacks": [cb.state_dict() for cb in self.callbacks.callbacks]}
 
     def save_checkpoint(self):
