@@ -50,42 +50,29 @@ def _reduce_scatter(x, group):
     return out
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _chunk(x, group)
+def _collective(forward_op, backward_op):
+    """An autograd op that runs `forward_op` over the group and `backward_op` on its gradient."""
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward_op(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group), None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward_op(grad, ctx.group), None
 
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
+    return Op.apply
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group), None
+split = _collective(_chunk, _all_gather)
+gather = _collective(_all_gather, _reduce_scatter)
+reduce_scatter = _collective(_reduce_scatter, _all_gather)
 
 
 def _column_forward(layer):
     def forward(x):
-        return F.linear(_Gather.apply(x, layer.mp_group), layer.weight, layer.bias)
+        return F.linear(gather(x, layer.mp_group), layer.weight, layer.bias)
     return forward
 
 
@@ -97,7 +84,7 @@ def _local_forward(layer):
 
 def _row_forward(layer):
     def forward(x):
-        out = _ReduceScatter.apply(F.linear(x, layer.weight), layer.mp_group)
+        out = reduce_scatter(F.linear(x, layer.weight), layer.mp_group)
         return out if layer.bias is None else out + layer.bias
     return forward
 
@@ -157,7 +144,7 @@ def apply(model, arch: str) -> int:
     for p in model.parameters():
         if id(p) not in sharded and id(p) not in embed_params and p.requires_grad:
             p.register_hook(_sum_over(group))  # norms (and row biases) saw only my tokens
-    modules[embed_name].register_forward_hook(lambda m, args, out: _Split.apply(out, group))
+    modules[embed_name].register_forward_hook(lambda m, args, out: split(out, group))
     modules[head_name].register_forward_pre_hook(
-        lambda m, args: (_Gather.apply(args[0], group), *args[1:]))
+        lambda m, args: (gather(args[0], group), *args[1:]))
     return changed
