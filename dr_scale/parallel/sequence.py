@@ -7,7 +7,8 @@ layer all-reduces outputs), so after AutoTP has split the weights, the forward o
 changed here, each collective going over the same tensor group:
 
     embedding output        -> keep my sequence chunk          (backward: all-gather)
-    column-parallel linear  -> all-gather the sequence, matmul (backward: reduce-scatter)
+    column-parallel linear  -> all-gather the sequence, matmul (backward: reduce-scatter; one
+                               gather serves the linears that read the same input)
     row-parallel linear     -> matmul, reduce-scatter          (backward: all-gather)
     LM head input           -> all-gather the sequence         (backward: reduce-scatter,
                                                                 in place of AutoTP's all-reduce)
@@ -70,9 +71,22 @@ gather = _collective(_all_gather, _reduce_scatter)
 reduce_scatter = _collective(_reduce_scatter, _all_gather)
 
 
-def _column_forward(layer):
+class _GatherOnce:
+    """q, k and v (and gate and up) read the same input: gather it once for all of them, so one
+    gathered copy is kept for backward and one reduce-scatter returns its summed gradient."""
+
+    def __init__(self, group):
+        self.group, self.input, self.gathered = group, None, None
+
+    def __call__(self, x):
+        if x is not self.input:  # identity, not equality: a recomputed input is a new tensor
+            self.input, self.gathered = x, gather(x, self.group)
+        return self.gathered
+
+
+def _column_forward(layer, gather_once):
     def forward(x):
-        return F.linear(gather(x, layer.mp_group), layer.weight, layer.bias)
+        return F.linear(gather_once(x), layer.weight, layer.bias)
     return forward
 
 
@@ -125,6 +139,7 @@ def apply(model, arch: str) -> int:
     embed_name, head_name = BOUNDARIES[arch]
     modules = dict(model.named_modules())
     group = modules[head_name].mp_group
+    gather_once = _GatherOnce(group)
     changed = 0
     for name, m in modules.items():
         if isinstance(m, VocabParallelLinear):  # its input arrives gathered (hook below), whose
@@ -132,7 +147,7 @@ def apply(model, arch: str) -> int:
         elif isinstance(m, LinearAllreduce):
             m.forward = _row_forward(m)
         elif isinstance(m, LinearLayer):
-            m.forward = _column_forward(m)
+            m.forward = _column_forward(m, gather_once)
         else:
             continue
         changed += 1
