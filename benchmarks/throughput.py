@@ -78,7 +78,8 @@ def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_i
 
 
 def run_peer(preset, ds_config, ranks, steps, seq, micro, vocab, workdir):
-    out = Path(workdir) / f"peer-{preset}-{ds_config}-{ranks}r.json"
+    out = Path(tempfile.mkdtemp(prefix=f"peer-{preset}-{Path(ds_config).stem}-", dir=workdir)) \
+        / "peer.json"
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", _port(),
            str(ROOT / "benchmarks" / "hf_peer.py"), "--preset", preset, "--ds_config", ds_config,
            "--seq_length", str(seq), "--micro_batch_size", str(micro), "--steps", str(steps),
@@ -183,7 +184,8 @@ def main(argv=None):
                      *a.overrides]
             layout = f"DP{a.ranks // (tp * pp)}xTP{tp}" + (f"xPP{pp}" if pp > 1 else "")
             label = f"{preset} {ds} {layout} m{micro} s{seq}" + \
-                (f" ckpt={ckpt}" if ckpt != "none" else "") + (f" {attn}" if attn != "sdpa" else "")
+                (f" ckpt={ckpt}" if ckpt != "none" else "") + (f" {attn}" if attn != "sdpa" else "") + \
+                "".join(f" {o}" for o in a.overrides)
             print(f"[{i}/{len(grid)}] {label} ...", file=sys.stderr, flush=True)
             row = run_point(preset, ds, a.ranks, a.steps, seq, micro, extra, work)
             row.update(label=label, layout=layout, tensor_parallel=tp, pipeline_parallel=pp,
