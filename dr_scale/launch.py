@@ -289,7 +289,8 @@ def run(args):
 
             shard_pipeline_stages(model, shape, topo.tensor)
     mpu = None
-    if topo.tensor > 1 and topo.pipeline == 1:  # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
+    # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
+    if topo.tensor > 1 and topo.pipeline == 1:
         from deepspeed.utils import groups
 
         groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
