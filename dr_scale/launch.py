@@ -240,8 +240,16 @@ def run(args):
     del init_state
     from dr_scale.parallel import checkpointing
 
+    mpu = None
+    # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks, and partitioned
+    # activations are split over its tensor group
+    if topo.tensor > 1 and topo.pipeline == 1:
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
+        mpu = groups
     checkpointing.apply(model, cfg.parallel.activation_checkpointing, cfg.parallel.checkpoint_every,
-                        ds)
+                        ds, mpu, source=str(ds_path))
     if cfg.model.compile:
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), cfg.parallel.activation_checkpointing)
     n_params = count_parameters(model)
@@ -288,13 +296,6 @@ def run(args):
             from dr_scale.parallel.tensor import shard_pipeline_stages
 
             shard_pipeline_stages(model, shape, topo.tensor)
-    mpu = None
-    # DeepSpeed's own (data, tensor) mesh; its batch check then counts DP ranks
-    if topo.tensor > 1 and topo.pipeline == 1:
-        from deepspeed.utils import groups
-
-        groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
-        mpu = groups
     engine = _initialize_engine(deepspeed, model, param_groups(model, t.weight_decay), ds,
                                 scheduler, ds_path, mpu)
     if cfg.parallel.sequence_parallel:  # AutoTP's layers exist only after initialize

@@ -175,6 +175,17 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
         errors_of(proc)
 
 
+def test_checkpointing_refuses_deepspeed_options_that_fail():
+    from dr_scale.models import build_model
+    from dr_scale.parallel.checkpointing import apply
+    from tests.test_models import shape_of
+
+    model = build_model(shape_of("model.preset=tiny", vocab=64))
+    for key in ("partition_activations", "cpu_checkpointing"):
+        with pytest.raises(DrScaleError, match=f"z.json: activation_checkpointing.{key}=true: "):
+            apply(model, "full", 1, {"activation_checkpointing": {key: True}}, source="z.json")
+
+
 def test_compile_refuses_what_it_cannot_combine_with():
     from dr_scale.models import build_model
     from dr_scale.parallel.checkpointing import compile_blocks
