@@ -3,6 +3,8 @@ losses over 5 steps and, after the first step, the gradient norm of every parame
 parameters, TP slices and ZeRO shards combined) equal to the 1-rank run of the same model and
 data (fp32, within 1e-5 relative); the exported weights of every parallel run equal the 1-rank
 run's; one-line refusals of what is not supported."""
+import json
+
 import pytest
 import torch
 
@@ -21,11 +23,11 @@ COMMON = ["data.seq_length=64", f"train.max_steps={STEPS}", "train.warmup_steps=
           "ema: {enabled: true, decay: 0.5}}"]
 
 
-def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra, monitor=True):
+def run(tmp_path, cache_dir, name, stage, ranks, micro, *extra, monitor=True, ds_config=None):
     out = tmp_path / name
     # the pipeline engine takes no after_backward callbacks (the monitor, EMA)
     common = COMMON if monitor else COMMON[:-1]
-    launch(["--run_dir", out, "--ds_config", fp32_config(tmp_path, stage), *common,
+    launch(["--run_dir", out, "--ds_config", ds_config or fp32_config(tmp_path, stage), *common,
             f"train.micro_batch_size={micro}", *extra], ranks, cache_dir)
     train = [r for r in records(out) if "loss" in r]
     assert len(train) == STEPS
@@ -104,8 +106,14 @@ def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
 
 
 def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
-    assert_same(run(tmp_path, cache_dir, "dp2_tp2_z2", 2, 4, 2, "parallel.tensor_parallel=2"),
-                reference)
+    """With full recomputation and DeepSpeed's partitioned activations: each tensor rank keeps
+    half of every block input and gathers it back for the recomputation."""
+    config = fp32_config(tmp_path, 2)
+    ds = json.loads(config.read_text())
+    ds["activation_checkpointing"] = {"partition_activations": True}
+    config.write_text(json.dumps(ds))
+    assert_same(run(tmp_path, cache_dir, "dp2_tp2_z2", 2, 4, 2, "parallel.tensor_parallel=2",
+                    "parallel.activation_checkpointing=full", ds_config=config), reference)
 
 
 @pytest.mark.parametrize("data, tensor, micro", [(2, 1, 1), (1, 2, 2)])
@@ -175,15 +183,16 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
         errors_of(proc)
 
 
-def test_checkpointing_refuses_deepspeed_options_that_fail():
+def test_checkpointing_refuses_cpu_checkpointing():
     from dr_scale.models import build_model
     from dr_scale.parallel.checkpointing import apply
     from tests.test_models import shape_of
 
     model = build_model(shape_of("model.preset=tiny", vocab=64))
-    for key in ("partition_activations", "cpu_checkpointing"):
-        with pytest.raises(DrScaleError, match=f"z.json: activation_checkpointing.{key}=true: "):
-            apply(model, "full", 1, {"activation_checkpointing": {key: True}}, source="z.json")
+    with pytest.raises(DrScaleError, match="z.json: activation_checkpointing.cpu_checkpointing="
+                                           "true: "):
+        apply(model, "full", 1, {"activation_checkpointing": {"cpu_checkpointing": True}},
+              source="z.json")
 
 
 def test_compile_refuses_what_it_cannot_combine_with():

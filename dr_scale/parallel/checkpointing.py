@@ -8,15 +8,15 @@ backward pass instead of kept.
                long sequences without flash attention)
 
 Recomputation goes through DeepSpeed's checkpointing (non-reentrant form); its RNG handling
-makes recomputed dropout masks equal to the first pass. The DeepSpeed config's
-`activation_checkpointing.partition_activations` and `cpu_checkpointing` are refused at start:
-with DeepSpeed 0.19.8's non-reentrant form both fail in the backward pass on these blocks
-(measured: partitioned inputs do not gather back, "shape '[256, 32]' is invalid for input of
-size 1", even on one rank; host copies come back in fp32 beside bf16 weights, "expected m1 and m2
-to have the same dtype").
+makes recomputed dropout masks equal to the first pass, and the DeepSpeed config's
+`activation_checkpointing.partition_activations` splits the kept block inputs across the tensor
+group. Its `cpu_checkpointing` is refused at start: with DeepSpeed 0.19.8 the recomputed block
+got an fp32 input beside bf16 weights ("expected m1 and m2 to have the same dtype"); not traced
+further.
 """
 import functools
 
+import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -33,12 +33,19 @@ def decoder_blocks(model: nn.Module):
 def _checkpointed(forward, *args, **kwargs):
     import deepspeed
 
-    leaves, spec = tree_flatten((args, kwargs))  # tuples (rotary tables) become plain arguments
+    leaves, spec = tree_flatten((args, kwargs))
+    # Only activations (tensors that carry gradients) go through the checkpoint; constants such as
+    # the rotary tables are closed over: DeepSpeed's partitioned and CPU checkpointing pair each
+    # argument with its saved size and mis-pair them when constants are among the arguments.
+    slots = [i for i, v in enumerate(leaves) if torch.is_tensor(v) and v.requires_grad]
 
-    def run(*flat):
-        a, kw = tree_unflatten(list(flat), spec)
+    def run(*activations):
+        flat = list(leaves)
+        for i, v in zip(slots, activations):
+            flat[i] = v
+        a, kw = tree_unflatten(flat, spec)
         return forward(*a, **kw)
-    return deepspeed.checkpointing.non_reentrant_checkpoint(run, *leaves)
+    return deepspeed.checkpointing.non_reentrant_checkpoint(run, *[leaves[i] for i in slots])
 
 
 def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None,
@@ -49,12 +56,13 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
     import deepspeed
 
     section = (ds_config or {}).get("activation_checkpointing", {})
-    for key in ("partition_activations", "cpu_checkpointing"):
-        if section.get(key):
-            raise DrScaleError(f"{source}: activation_checkpointing.{key}=true: DeepSpeed's "
-                               f"non-reentrant checkpointing fails with it in the backward pass; "
-                               f"set it to false (parallel.activation_checkpointing still applies)")
-    deepspeed.checkpointing.configure(mpu, partition_activations=False, checkpoint_in_cpu=False,
+    if section.get("cpu_checkpointing"):
+        raise DrScaleError(f"{source}: activation_checkpointing.cpu_checkpointing=true: DeepSpeed's "
+                           f"non-reentrant checkpointing fails with it in the backward pass; set "
+                           f"it to false (parallel.activation_checkpointing still applies)")
+    deepspeed.checkpointing.configure(mpu,
+                                      partition_activations=bool(section.get("partition_activations")),
+                                      checkpoint_in_cpu=False,
                                       contiguous_checkpointing=False, synchronize=False,
                                       profile=False)
     blocks = decoder_blocks(model)[::every]
