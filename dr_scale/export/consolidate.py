@@ -20,6 +20,7 @@ import torch
 from dr_scale.errors import DrScaleError
 from dr_scale.models import build_model
 from dr_scale.models.build import ModelShape
+from dr_scale.train.checkpoint import load_ema_state, tensor_ranks
 
 
 def run_shape(run_dir: Path) -> ModelShape:
@@ -64,25 +65,18 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
     if list(tag_dir.glob("layer_*-model_*-model_states.pt")):
         return _pipeline_state(tag_dir, shape)
-    tensor_ranks = _tensor_ranks(tag_dir)
-    if len(tensor_ranks) > 1:
-        return _join_tensor_slices([_one_tensor_rank(tag_dir, r, shape) for r in tensor_ranks],
-                                   shape, tag_dir)
+    ranks = tensor_ranks(tag_dir)
+    if len(ranks) > 1:
+        return _join_tensor_slices([_one_tensor_rank(tag_dir, r, shape) for r in ranks], shape,
+                                   tag_dir)
     return _one_rank_state(ckpt_dir, tag, shape)
 
 
 def ema_state_dict(tag_dir: Path, shape: ModelShape) -> dict:
     """The EMA weights the ema callback saved, joined over tensor ranks like the weights."""
-    from dr_scale.train.checkpoint import load_ema_state
-
-    tp = max(1, len(_tensor_ranks(tag_dir)))
+    tp = max(1, len(tensor_ranks(tag_dir)))
     slices = [load_ema_state(tag_dir, shape.tie_embeddings, r, tp) for r in range(tp)]
     return slices[0] if tp == 1 else _join_tensor_slices(slices, shape, tag_dir)
-
-
-def _tensor_ranks(tag_dir: Path) -> list:
-    return sorted({m.group(1) for f in tag_dir.glob("*_model_states.pt")
-                   if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
 def _one_rank_state(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict:
@@ -149,11 +143,5 @@ def _pipeline_state(tag_dir: Path, shape: ModelShape) -> dict:
             else:
                 name = f"lm_head.{key}"
             slices.setdefault(rank, {})[name] = value.float()
-    if shape.tie_embeddings:
-        for state in slices.values():
-            if "model.embed_tokens.weight" in state:
-                state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    ranks = [slices[r] for r in sorted(slices)]
-    if len(ranks) == 1:
-        return ranks[0]
-    return _join_tensor_slices(ranks, shape, tag_dir)
+    # one tensor rank joins to itself; the join also checks every name and shape
+    return _join_tensor_slices([slices[r] for r in sorted(slices)], shape, tag_dir)

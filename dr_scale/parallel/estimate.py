@@ -56,7 +56,7 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
     patterns = [re.compile(p) for spec in PLANS.get(shape.arch, []) for p in spec["patterns"]]
     sharded = replicated = 0
     seen = set()
-    head = id(model.lm_head.weight) if vocab_parallel and tp > 1 else None
+    head = id(model.lm_head.weight) if vocab_parallel else None
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue

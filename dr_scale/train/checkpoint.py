@@ -166,12 +166,18 @@ def saved_zero_family(tag_dir: Path) -> int:
 def saved_parallel_layout(tag_dir: Path) -> tuple:
     """(tensor_parallel, pipeline_parallel) the checkpoint was written with: from our rank-0
     state, or, in checkpoints older than that field, the tensor ranks of DeepSpeed's file names."""
-    state = torch.load(tag_dir / STATE_FILE.format(rank=0), map_location="cpu", weights_only=True)
+    # mmap: only the small "parallel" entry is read, not the RNG and callback (EMA) tensors
+    state = torch.load(tag_dir / STATE_FILE.format(rank=0), map_location="cpu", weights_only=True,
+                       mmap=True)
     if "parallel" in state:
         return state["parallel"]["tensor"], state["parallel"]["pipeline"]
-    ranks = {m.group(1) for f in tag_dir.glob("*model_states.pt")
-             if (m := re.search(r"(?:mp_rank_|-model_)(\d+)", f.name))}
-    return max(1, len(ranks)), 1
+    return max(1, len(tensor_ranks(tag_dir))), 1
+
+
+def tensor_ranks(tag_dir: Path) -> list:
+    """The tensor ranks ("00", "01", ...) DeepSpeed's model-states file names hold."""
+    return sorted({m.group(1) for f in Path(tag_dir).glob("*_model_states.pt")
+                   if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
 def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
