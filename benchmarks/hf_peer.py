@@ -34,6 +34,7 @@ def main():
 
     from dr_scale import ds_config as dsc
     from dr_scale.config import load_config
+    from dr_scale.hardware import bf16_support
     from dr_scale.launch import init_distributed, param_groups
     from dr_scale.models import resolve_shape
     from dr_scale.train.metrics import peak_memory_bytes
@@ -47,7 +48,7 @@ def main():
         sys.exit(f"hf_peer: the peer is a Llama; preset {a.preset} is {shape.arch}")
     world = dist.get_world_size()
     ds = dsc.fill(dsc.read_json(dsc.resolve_path(a.ds_config)), cfg, world,
-                  source=a.ds_config)
+                  source=a.ds_config, bf16_native=bf16_support(device.type).native)
     hf_cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                          intermediate_size=shape.ffn_hidden_size,
                          num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,

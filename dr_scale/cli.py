@@ -78,6 +78,7 @@ def cmd_estimate(a):
 
     from dr_scale import ds_config as dsc
     from dr_scale.config import load_config
+    from dr_scale.hardware import cpu_bf16_support
     from dr_scale.parallel.estimate import estimate_for_run
     from dr_scale.train.metrics import format_bytes
 
@@ -87,7 +88,10 @@ def cmd_estimate(a):
     if a.ranks % (tp * pp):
         raise DrScaleError(f"--ranks {a.ranks}: not a multiple of parallel.tensor_parallel x "
                            f"parallel.pipeline_parallel = {tp * pp}")
-    ds = dsc.fill(dsc.read_json(path), cfg, a.ranks // (tp * pp), source=str(path))
+    # "auto" precision: a GPU run is planned for sm_80+ (bf16); a CPU run for this machine's CPU
+    bf16_native = a.device != "cpu" or cpu_bf16_support().native
+    ds = dsc.fill(dsc.read_json(path), cfg, a.ranks // (tp * pp), source=str(path),
+                  bf16_native=bf16_native)
     est = estimate_for_run(cfg, ds, a.ranks, a.device)
     if a.json:
         print(json.dumps({"preset": cfg.model.preset, "ds_config": str(path), "ranks": a.ranks,

@@ -3,7 +3,7 @@ with one line where the two disagree. DeepSpeed itself then owns everything the 
 import copy
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from dr_scale.errors import DrScaleError
 
@@ -57,8 +57,10 @@ def batch_layout(train_cfg, dp_size: int) -> Dict[str, int]:
     return {"micro": micro, "accum": global_bs // (micro * dp_size), "global": global_bs}
 
 
-def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config") -> Dict[str, Any]:
-    """Return a copy of ``ds`` with every "auto" filled and every explicit value checked."""
+def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
+         bf16_native: bool = True) -> Dict[str, Any]:
+    """Return a copy of ``ds`` with every "auto" filled and every explicit value checked;
+    ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.hardware)."""
     ds = copy.deepcopy(ds)
     t = cfg.train
     b = batch_layout(t, dp_size)
@@ -108,11 +110,18 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config") -> Di
                 if params.get(key) == "auto":
                     params[key] = values[key]
 
+    bf16 = ds.get("bf16")
+    if isinstance(bf16, dict) and bf16.get("enabled") == "auto":
+        bf16["enabled"] = bool(bf16_native) and not ds.get("fp16", {}).get("enabled")
+    if isinstance(bf16, dict) and not isinstance(bf16.get("enabled", False), bool):
+        raise DrScaleError(f"{source}: bf16.enabled: expected true, false or \"auto\", got "
+                           f"{bf16['enabled']!r}")
+
     zero = ds.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
-    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+    if ds.get("bf16", {}).get("enabled") is True and ds.get("fp16", {}).get("enabled"):
         raise DrScaleError(f"{source}: bf16.enabled and fp16.enabled are both true; pick one")
     leftover = _find_auto(ds)
     if leftover:
@@ -141,8 +150,21 @@ def _find_auto(obj, prefix="") -> Optional[str]:
     return None
 
 
+def bf16_choice(raw: Dict[str, Any], support, source: str) -> Tuple[str, Optional[str]]:
+    """(why the precision is what it is, for the start line; a one-line warning or None) for the
+    DeepSpeed JSON as written, on hardware ``support`` (a dr_scale.hardware.Bf16Support)."""
+    enabled = raw.get("bf16", {}).get("enabled", False)
+    if enabled == "auto":
+        return f"bf16 \"auto\": {support.why}", None
+    if enabled is True and not support.native:
+        return "", (f"warning: {source}: bf16.enabled=true where {support.why}, slower than "
+                    "fp32; \"auto\" would pick fp32 here")
+    return "", None
+
+
 def precision(ds: Dict[str, Any]) -> str:
-    if ds.get("bf16", {}).get("enabled"):
+    """The precision of a filled config: bf16, fp16 or fp32."""
+    if ds.get("bf16", {}).get("enabled") is True:
         return "bf16"
     if ds.get("fp16", {}).get("enabled"):
         return "fp16"
@@ -153,6 +175,6 @@ def zero_stage(ds: Dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
-def load(name_or_path: str, cfg, dp_size: int) -> Dict[str, Any]:
+def load(name_or_path: str, cfg, dp_size: int, bf16_native: bool = True) -> Dict[str, Any]:
     path = resolve_path(name_or_path)
-    return fill(read_json(path), cfg, dp_size, source=str(path))
+    return fill(read_json(path), cfg, dp_size, source=str(path), bf16_native=bf16_native)

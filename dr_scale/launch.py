@@ -15,6 +15,7 @@ from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.errors import DrScaleError, TrainingStopped
+from dr_scale.hardware import bf16_support
 from dr_scale.parallel.tensor import autotp_section
 from dr_scale.parallel.topology import Topology
 
@@ -200,7 +201,9 @@ def run(args):
     raw_ds = dsc.read_json(ds_path)
     check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path, cfg.callbacks)
     dp_size, dp_rank = topo.data, topo.coords(rank)["data"]  # a TP group reads the same batches
-    ds = dsc.fill(raw_ds, cfg, dp_size, source=str(ds_path))
+    bf16 = bf16_support(device.type)
+    ds = dsc.fill(raw_ds, cfg, dp_size, source=str(ds_path), bf16_native=bf16.native)
+    precision_why, precision_warning = dsc.bf16_choice(raw_ds, bf16, str(ds_path))
     layout = dsc.batch_layout(cfg.train, dp_size)
     check_precision(ds, ds_path)
     run_dir = choose_run_dir(run_dir, cfg, args.resume)
@@ -281,10 +284,13 @@ def run(args):
     logger = MetricsLogger(run_dir, cfg.logging, t.max_steps, enabled=rank == 0,
                            run_name=run_dir.name, resume_step=resume_step)
     logger.info(f"dr_scale: {world} rank(s) ({local_world} on this node), {device.type}, "
-                f"{dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, {precision}; model "
+                f"{dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, {precision}"
+                f"{f' ({precision_why})' if precision_why else ''}; model "
                 f"{cfg.model.preset} ({shape.arch}) {n_params / 1e6:.2f}M parameters; batch "
                 f"{layout['micro']} x {layout['accum']} accumulation x {dp_size} data-parallel = "
                 f"{layout['global']} x {cfg.data.seq_length} tokens; run folder {run_dir}")
+    if precision_warning:
+        logger.info(precision_warning)
     logger.info(f"layout: {topo.describe()}{lm_head_note(topo, cfg.parallel)}; {kernels_line}")
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, t))

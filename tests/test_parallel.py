@@ -51,16 +51,31 @@ def reference(tmp_path_factory, cache_dir):
     return run(tmp_path_factory.mktemp("ref"), cache_dir, "ref", 1, 1, 4)
 
 
+# lr x steps in COMMON: no element can move further than this under Adam from the same start.
+ADAM_REACH = 2 * 3e-3 * STEPS
+
+
 def assert_same_weights(got, want):
     """Slices joined (TP), stages renamed (PP), shards gathered (ZeRO): the 1-rank weights after
-    5 AdamW steps at lr 3e-3. Adam normalizes each element's update, so where gradients are near
-    zero (embedding rows of rare tokens) the rounding of a different reduction order shows at
-    ~1e-5 (measured 1.2e-5 at most); atol 1e-4 is still 30x below one step's update, and a
-    misplaced slice or an unsynchronized replica is off by ~1e-2."""
+    5 AdamW steps at lr 3e-3.
+
+    Adam normalizes each element's update (about lr whatever the gradient's size), so rounding
+    cannot move most elements far, but an element whose gradient is within rounding of zero can
+    take a full update either way: the GEMMs of another CPU or another reduction order round
+    differently there. Measured: at most 1.2e-5 on an AMX Xeon; one element of 180,224 off by
+    1.6e-4 on an AVX-512 Xeon without bf16. So per tensor: elements beyond 1e-4 are allowed
+    where they are rare (at most 0.1% of the tensor and 8 elements, each within Adam's reach of
+    2 x lr x steps). A misplaced slice, an unsynchronized replica or a wrong gradient moves most
+    elements of a tensor by ~1e-3 to 1e-2, and fails."""
     assert sorted(got) == sorted(want)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert got[name].shape == want[name].shape, name
+        diff = (got[name].float() - want[name].float()).abs()
+        off = diff > 1e-4 + 1e-4 * want[name].float().abs()
+        allowed = min(8, max(1, int(1e-3 * diff.numel())))
+        assert int(off.sum()) <= allowed and float(diff.max()) <= ADAM_REACH, (
+            f"{name}: {int(off.sum())} of {diff.numel()} elements differ by more than 1e-4 "
+            f"(allowed {allowed}); greatest difference {float(diff.max()):.3g}")
 
 
 def assert_same(got, want):

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from dr_scale.config import load_config
+from dr_scale.train.schedule import lr_at
 from tests.conftest import PRETRAIN, free_port, launch
 
 SHORT = ["data.seq_length=128", "train.max_steps=30", "train.warmup_steps=5",
@@ -25,25 +26,34 @@ def evals(run_dir):
 
 
 def test_readme_main_job(cache_dir, tmp_path):
-    """The README's command as written (one rank here): held-out loss falls >= 40%, the run
-    folder is complete. The 2-rank form is covered by the shorter runs below."""
-    import os
+    """The README's command as written (one rank here), bounded on any CPU by `--stop_at_step
+    100`, which only ends the same run early (schedule, data and seed unchanged): the precision
+    follows the hardware, the held-out loss falls >= 40% by step 100 (measured 8.360 -> 4.787 in
+    bf16 on an AVX512-BF16 EPYC, 8.360 -> 4.802 in fp32 with oneDNN capped below bf16), and the
+    run folder is complete. The 2-rank form is covered by the shorter runs below."""
+    from dr_scale.hardware import cpu_bf16_support
 
     run = tmp_path / "run"
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir))
     proc = subprocess.run(["deepspeed", "--master_port", str(free_port()), str(PRETRAIN),
-                           "--ds_config", "zero3.json", "--run_dir", str(run)],
-                          env=env, capture_output=True, text=True, timeout=900)
+                           "--ds_config", "zero3.json", "--run_dir", str(run),
+                           "--stop_at_step", "100"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dr_scale: 1 rank(s)" in proc.stdout and "ZeRO-3, bf16" in proc.stdout
+    bf16 = cpu_bf16_support()
+    precision = "bf16" if bf16.native else "fp32"
+    assert "dr_scale: 1 rank(s)" in proc.stdout
+    assert f"ZeRO-3, {precision} (bf16 \"auto\": {bf16.why})" in proc.stdout
     ev = evals(run)
-    assert [r["step"] for r in ev] == [0, 100, 200, 300, 400]
+    assert [r["step"] for r in ev] == [0, 100]
     assert ev[-1]["eval_loss"] <= 0.6 * ev[0]["eval_loss"], ev
     train = [r for r in records(run) if "loss" in r]
-    assert len(train) == 40 and train[-1]["step"] == 400
+    assert len(train) == 10 and train[-1]["step"] == 100
     for r in train:
         assert {"step", "loss", "lr", "tokens_per_s", "tflops", "mfu", "mem_peak_bytes"} <= set(r)
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["mem_peak_bytes"] > 2**20
+    # the 400-step schedule, stopped early (a record's lr is the one its last step used)
+    assert train[-1]["lr"] == pytest.approx(lr_at(load_config().train, 99), rel=1e-9)
     # Everything needed to reproduce: resolved configs, versions, commit, layout, tokenizer.
     snap, default = load_config(run / "config.yaml").to_dict(), load_config().to_dict()
     assert snap["data"].pop("cache_dir") == str(cache_dir)  # resolved from ${env:DR_SCALE_CACHE}
@@ -52,11 +62,12 @@ def test_readme_main_job(cache_dir, tmp_path):
     ds = json.loads((run / "ds_config.json").read_text())
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
             ds["gradient_accumulation_steps"], ds["zero_optimization"]["stage"]) == (8, 8, 1, 3)
+    assert ds["bf16"]["enabled"] is bf16.native
     info = json.loads((run / "run.json").read_text())
     assert info["world"]["world_size"] == 1 and info["packages"]["deepspeed"]
     assert "commit" in info["git"]
     assert (run / "tokenizer.model").stat().st_size > 1000
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000400"
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000100"
     import matplotlib.image
 
     img = matplotlib.image.imread(run / "curves.png")
