@@ -70,7 +70,7 @@ def assert_same_weights(got, want):
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name].shape == want[name].shape, name
-        diff = (got[name].float() - want[name].float()).abs()
+        diff = (got[name].detach().float() - want[name].detach().float()).abs()
         off = diff > 1e-4 + 1e-4 * want[name].float().abs()
         allowed = min(8, max(1, int(1e-3 * diff.numel())))
         assert int(off.sum()) <= allowed and float(diff.max()) <= ADAM_REACH, (

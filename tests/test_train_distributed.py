@@ -12,9 +12,9 @@ from dr_scale.config import load_config
 from dr_scale.train.schedule import lr_at
 from tests.conftest import PRETRAIN, free_port, launch
 
-SHORT = ["data.seq_length=128", "train.max_steps=30", "train.warmup_steps=5",
-         "train.log_interval=5", "train.eval_interval=30", "train.save_interval=30",
-         "train.eval_samples=32", "logging.plot=false", "logging.tensorboard=false"]
+SHORT = ["data.seq_length=64", "train.max_steps=16", "train.warmup_steps=4",
+         "train.log_interval=4", "train.eval_interval=16", "train.save_interval=16",
+         "train.eval_samples=16", "logging.plot=false", "logging.tensorboard=false"]
 
 
 def records(run_dir):
@@ -82,7 +82,8 @@ def test_every_zero_stage_trains(ds_config, cache_dir, tmp_path):
     wandb = ["logging.wandb=true", "logging.wandb_mode=offline"] if ds_config == "zero1" else []
     launch(["--ds_config", ds_config, "--run_dir", run, *SHORT, *wandb], 2, cache_dir)
     ev = evals(run)
-    assert ev[-1]["eval_loss"] <= 0.75 * ev[0]["eval_loss"], ev
+    # 16 steps of 8 x 64 tokens: measured 8.357 -> 6.062 (0.73) at ZeRO-1, 2 ranks
+    assert ev[-1]["eval_loss"] <= 0.8 * ev[0]["eval_loss"], ev
     if wandb:
         assert list((run / "wandb").glob("offline-run-*"))
 
@@ -131,8 +132,8 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
 def test_launchers_and_two_nodes_give_the_same_losses(cache_dir, tmp_path):
     """One world of 2 ranks started four ways: the DeepSpeed launcher on one node (reference),
     torchrun on one node, and two nodes of one rank each through either launcher."""
-    args = ["--ds_config", "zero2", *SHORT, "train.max_steps=10", "train.log_interval=1",
-            "train.eval_interval=10", "train.save_interval=10"]
+    args = ["--ds_config", "zero2", *SHORT, "train.max_steps=4", "train.log_interval=1",
+            "train.eval_interval=4", "train.save_interval=4", "train.warmup_steps=2"]
     launch(["--run_dir", tmp_path / "ds", *args], 2, cache_dir)
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
     proc = subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
@@ -141,7 +142,7 @@ def test_launchers_and_two_nodes_give_the_same_losses(cache_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = [r["loss"] for r in records(tmp_path / "ds") if "loss" in r]
     b = [r["loss"] for r in records(tmp_path / "tr") if "loss" in r]
-    assert len(a) == 10 and a == b
+    assert len(a) == 4 and a == b
 
     # The same world of 2 as two nodes of 1 rank on this machine, each node its own launcher
     # process: DeepSpeed's launcher without ssh (a hostfile, --node_rank), and torchrun --nnodes 2.
