@@ -181,7 +181,7 @@ def run(args):
     from dr_scale.models import build_model, resolve_shape
     from dr_scale.models.build import (count_parameters, flops_per_token,
                                        recompute_flops_per_token)
-    from dr_scale.train.callbacks import build_callbacks
+    from dr_scale.callbacks.build import build_callbacks
     from dr_scale.train.metrics import MetricsLogger
     from dr_scale.train.peak_flops import peak_flops
     from dr_scale.train.schedule import build_scheduler
@@ -199,7 +199,7 @@ def run(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = Topology(world, cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel)
     raw_ds = dsc.read_json(ds_path)
-    check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path, cfg.callbacks)
+    check_pipeline(topo, dsc.zero_stage(raw_ds), ds_path)
     dp_size, dp_rank = topo.data, topo.coords(rank)["data"]  # a TP group reads the same batches
     bf16 = bf16_support(device.type)
     ds = dsc.fill(raw_ds, cfg, dp_size, source=str(ds_path), bf16_native=bf16.native)
@@ -212,7 +212,7 @@ def run(args):
         resume_step, resume_plan = plan_resume(run_dir / "checkpoints", world, ds, topo)
         if resume_plan == "universal":
             ds = dict(ds, checkpoint=dict(ds.get("checkpoint", {}), load_universal=True))
-    callbacks = build_callbacks(cfg.callbacks)
+    callbacks = build_callbacks(cfg.callbacks, topo.pipeline)
 
     sources = prepare_data(cfg, layout)
     if args.resume:
@@ -371,23 +371,13 @@ def lm_head_note(topo, parallel_cfg) -> str:
     return note + (", sequence parallel" if parallel_cfg.sequence_parallel else "")
 
 
-# Callbacks that act between backward and the optimizer step, which DeepSpeed's pipeline engine
-# runs inside one call, or that assume the model's own parameter names.
-_NOT_WITH_PIPELINE = ("per_layer_clip", "grad_norm_monitor", "ema")
-
-
-def check_pipeline(topo, zero_stage: int, ds_path, callbacks_cfg=None):
+def check_pipeline(topo, zero_stage: int, ds_path):
     if topo.pipeline == 1:
         return
     if zero_stage >= 2:
         raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero_stage} with "
                            f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
                            f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
-    for name, opts in (callbacks_cfg or {}).items():
-        if name in _NOT_WITH_PIPELINE and isinstance(opts, dict) and opts.get("enabled"):
-            raise DrScaleError(f"callbacks.{name}: not available with parallel.pipeline_parallel="
-                               f"{topo.pipeline} (the pipeline engine runs backward and the "
-                               f"optimizer step in one call)")
 
 
 def check_precision(ds: dict, ds_path):

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from dr_scale.compat.clipping import DEFAULT_EXEMPT, PerLayerClip, clip_factors, exempt_mask
+from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, PerLayerClip, clip_factors, exempt_mask
 from dr_scale.config import load_config
 from dr_scale.launch import param_groups
 from dr_scale.models import build_model, resolve_shape
@@ -96,11 +96,11 @@ def test_exempt_patterns_cover_norms_and_biases():
 
 def test_bad_options_are_one_line():
     from dr_scale.errors import DrScaleError
-    from dr_scale.train.callbacks import build_callbacks
+    from dr_scale.callbacks.build import build_callbacks
 
-    with pytest.raises(DrScaleError, match=r"callbacks.per_layer_clip: max_norm: expected a "
-                                           r"number > 0, got -1"):
+    with pytest.raises(DrScaleError, match=r"callbacks.per_layer_clip.max_norm: expected a "
+                                           r"value >= 1e-12, got -1"):
         build_callbacks({"per_layer_clip": {"enabled": True, "max_norm": -1}})
-    with pytest.raises(DrScaleError, match="callbacks.per_layer_clip: exempt: expected a list"):
+    with pytest.raises(DrScaleError, match="callbacks.per_layer_clip.exempt: expected a list"):
         build_callbacks({"per_layer_clip": {"enabled": True, "exempt": "*bias"}})
     assert isinstance(build_callbacks({"per_layer_clip": {"enabled": True}})[0], PerLayerClip)

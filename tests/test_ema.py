@@ -103,4 +103,4 @@ def test_export_ema_and_bad_options(zero3_run, cache_dir, tmp_path):
     bad = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "r",
                   "callbacks={ema: {enabled: true, decay: 1.5}}"], 1, cache_dir,
                  launcher="python", check=False)
-    assert "callbacks.ema: decay: expected a number in [0, 1), got 1.5" in errors_of(bad)
+    assert "callbacks.ema.decay: expected a number in [0, 1), got 1.5" in errors_of(bad)

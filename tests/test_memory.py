@@ -5,7 +5,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dr_scale.compat.memory import MemoryMonitor, parse_threshold
+from dr_scale.callbacks.memory import MemoryMonitor, parse_threshold
 from dr_scale.errors import DrScaleError
 from tests.conftest import launch
 
@@ -62,5 +62,5 @@ def test_bad_alert_threshold_is_one_line(cache_dir, tmp_path):
     proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "r",
                    "callbacks={memory_alert: {enabled: true, max_usage: lots}}"], 1, cache_dir,
                   launcher="python", check=False)
-    assert "callbacks.memory_alert: max_usage: expected a percentage ('80%'), a size ('12GiB') " \
+    assert "callbacks.memory_alert.max_usage: expected a percentage ('80%'), a size ('12GiB') " \
            "or bytes, got 'lots'" in errors_of(proc)

@@ -49,4 +49,4 @@ def test_bad_callback_config_is_one_line(cache_dir, tmp_path):
     proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "r",
                    "callbacks={nan_guard: {enabled: true, max_consecutive: 0}}"], 1, cache_dir,
                   launcher="python", check=False)
-    assert "callbacks.nan_guard: max_consecutive: expected an integer >= 1, got 0" in errors_of(proc)
+    assert "callbacks.nan_guard.max_consecutive: expected a value >= 1, got 0" in errors_of(proc)

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from dr_scale.compat.dataloader_profiler import DataLoaderProfiler
-from dr_scale.train.nan_guard import NonFiniteOutputs
+from dr_scale.callbacks.dataloader_profiler import DataLoaderProfiler
+from dr_scale.callbacks.nan_guard import NonFiniteOutputs
 from tests.conftest import launch
 
 SLEEP_S = 0.004

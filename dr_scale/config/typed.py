@@ -83,11 +83,16 @@ def _type_name(tp) -> str:
         tp, getattr(tp, "__name__", str(tp)))
 
 
+def _where(source, key: str) -> str:
+    """`file: key`, or the key alone where no file is known (options given in code)."""
+    return f"{source}: {key}" if source else key
+
+
 def convert(tp, value, key: str, source: str):
     """Convert a YAML value to the annotated type, or raise a one-line DrScaleError."""
     def fail(expected=None):
         raise DrScaleError(
-            f"{source}: {key}: expected {expected or _type_name(tp)}, got {value!r}")
+            f"{_where(source, key)}: expected {expected or _type_name(tp)}, got {value!r}")
 
     origin = typing.get_origin(tp)
     if origin is typing.Union:
@@ -157,7 +162,8 @@ def from_dict(cls, data: Mapping, origins: Mapping[str, str], default_source: st
             close = difflib.get_close_matches(str(name), list(fields), n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             known = ", ".join(fields)
-            raise DrScaleError(f"{source}: {key}: unknown key{hint}; known keys here: {known}")
+            raise DrScaleError(f"{_where(source, key)}: unknown key{hint}; known keys here: "
+                               f"{known}")
         f = fields[name]
         tp = hints[name]
         if isinstance(tp, type) and issubclass(tp, Section) and isinstance(value, Mapping):
@@ -175,11 +181,13 @@ def _check_range(f, value, key, source):
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
         choices = ", ".join(map(str, meta["choices"]))
-        raise DrScaleError(f"{source}: {key}: expected one of {choices}, got {value!r}")
+        raise DrScaleError(f"{_where(source, key)}: expected one of {choices}, got {value!r}")
     if "min" in meta and value < meta["min"]:
-        raise DrScaleError(f"{source}: {key}: expected a value >= {meta['min']}, got {value!r}")
+        raise DrScaleError(f"{_where(source, key)}: expected a value >= {meta['min']}, got "
+                           f"{value!r}")
     if "max" in meta and value > meta["max"]:
-        raise DrScaleError(f"{source}: {key}: expected a value <= {meta['max']}, got {value!r}")
+        raise DrScaleError(f"{_where(source, key)}: expected a value <= {meta['max']}, got "
+                           f"{value!r}")
 
 
 def field(default=dataclasses.MISSING, *, factory=dataclasses.MISSING, **meta):

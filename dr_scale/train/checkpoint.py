@@ -305,7 +305,7 @@ def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
                    tensor_parallel: int = 1) -> dict:
     """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint; under
     tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
-    from dr_scale.compat.ema import assemble
+    from dr_scale.callbacks.ema import assemble
 
     tag_dir = Path(tag_dir)
     states = []
@@ -313,8 +313,11 @@ def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
         rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
         if rank % tensor_parallel != tensor_rank:  # tensor ranks are the fastest-varying
             continue
-        cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", [])
-        states += [cb for cb in cbs if isinstance(cb, dict) and "ema" in cb and "names" in cb]
+        cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", {})
+        if isinstance(cbs, dict):  # keyed by callback name
+            states += [cbs["ema"]] if "ema" in cbs else []
+        else:  # older checkpoints: a list by position; the EMA state is the one shaped like it
+            states += [cb for cb in cbs if isinstance(cb, dict) and "ema" in cb and "names" in cb]
     if not states:
         raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
                            "off for this run)")

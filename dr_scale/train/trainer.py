@@ -10,7 +10,7 @@ from torch.profiler import record_function
 
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.train import checkpoint
-from dr_scale.train.callbacks import CallbackList
+from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes
 
 
@@ -70,7 +70,7 @@ class Trainer:
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
                 "parallel": {"tensor": self.cfg.parallel.tensor_parallel,
                              "pipeline": self.cfg.parallel.pipeline_parallel},
-                "callbacks": [cb.state_dict() for cb in self.callbacks.callbacks]}
+                "callbacks": self.callbacks.state_dict()}  # keyed by callback name
 
     def save_checkpoint(self):
         path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
@@ -85,8 +85,7 @@ class Trainer:
                                       self.engine.zero_optimization_stage())
         self.step = int(state["step"])
         checkpoint.set_rng_state(state["rng"])
-        for cb, cb_state in zip(self.callbacks.callbacks, state.get("callbacks", [])):
-            cb.load_state_dict(cb_state)
+        self.callbacks.load_state_dict(state.get("callbacks", {}), self, self.logger.info)
         self.last_checkpoint = path
         self.logger.info(f"resumed from {path} at step {self.step} "
                          f"({state['consumed_samples']} samples consumed)")

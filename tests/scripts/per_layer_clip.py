@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-from dr_scale.compat.clipping import DEFAULT_EXEMPT, clip_per_layer_
+from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, clip_per_layer_
 from dr_scale.config import load_config
 from dr_scale.launch import init_distributed, param_groups
 from dr_scale.models import build_model, resolve_shape

@@ -1,22 +1,34 @@
 """ema: an exponential moving average of the weights, kept on this rank's slices of the fp32
 master weights (no gather per step, under every ZeRO stage), evaluated at every evaluation
 (`ema_eval_loss`), saved with each checkpoint and exportable (`dr-scale export --ema`)."""
+from dataclasses import dataclass
+
 import torch
 
+from dr_scale.callbacks.base import Callback
 from dr_scale.compat.shards import local_shards, write_values
+from dr_scale.config.typed import Section, field
 from dr_scale.errors import DrScaleError
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
+
+
+@dataclass
+class EMAOptions(Section):
+    decay: float = field(0.999, min=0.0, help="in [0, 1): weight of the running average")
+    start_step: int = field(0, min=0, help="until this step the average is the weights")
 
 
 @CALLBACK_REGISTRY.register("ema")
 class EMA(Callback):
+    name = "ema"
+    Options = EMAOptions
+    not_with_pipeline = "it keeps the model's parameters by name, which pipeline stages rename"
+
     def __init__(self, decay: float = 0.999, start_step: int = 0):
-        if not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise TypeError(f"decay: expected a number in [0, 1), got {decay!r}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise TypeError(f"start_step: expected an integer >= 0, got {start_step!r}")
-        self.decay, self.start_step = float(decay), start_step
+        o = self.options(decay=decay, start_step=start_step)
+        if o.decay >= 1.0:
+            raise DrScaleError(f"callbacks.ema.decay: expected a number in [0, 1), got {decay!r}")
+        self.decay, self.start_step = o.decay, o.start_step
         self.shards, self.ema, self._loaded = [], [], None
 
     def on_train_start(self, trainer):
@@ -29,7 +41,7 @@ class EMA(Callback):
                 raise DrScaleError("callbacks.ema: the checkpoint's EMA was kept for another "
                                    "layout of ranks or ZeRO stage; resume it with the same one")
             self.ema = [t.to(s.master.device) for t, s in zip(state["ema"], self.shards)]
-        else:
+        else:  # a new EMA, or one enabled after the checkpoint: it starts from the weights now
             self.ema = [s.master.detach().clone() for s in self.shards]
 
     def after_step(self, trainer, step, record):

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.utils.data
 
+from dr_scale.callbacks.base import Callback
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
 
 STAGES = ("fetch", "collate", "wait", "h2d")
 
@@ -132,6 +132,8 @@ class DataLoaderProfiler:
 class DataLoaderProfilerCallback(Callback):
     """Times the training loader; each record carries `data_wait_ms` (per batch) and the summary
     table is printed and written to `dataloader_profile.json` at the end."""
+
+    name = "dataloader_profiler"
 
     def __init__(self):
         self.profiler = None

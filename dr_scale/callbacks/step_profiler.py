@@ -7,31 +7,43 @@ a table of the most expensive operators, in `<run>/profiles/`.
 The trainer marks its phases (dr_scale.forward, dr_scale.backward, dr_scale.optimizer_step) with
 record_function, so the trace shows them as named ranges.
 """
+from dataclasses import dataclass
+from typing import List
+
 import torch
 import torch.distributed as dist
 
+from dr_scale.callbacks.base import Callback
+from dr_scale.config.typed import Section, field
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
 
 
-def _nonneg_int(name, value, minimum=0):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TypeError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return value
+@dataclass
+class StepProfilerOptions(Section):
+    start_step: int = field(3, min=0, help="profile from this step")
+    steps: int = field(2, min=1, help="for this many steps")
+    ranks: List[int] = field(factory=lambda: [0], help="on these ranks")
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    table_rows: int = field(25, min=1, help="rows of the operator table")
 
 
 @CALLBACK_REGISTRY.register("step_profiler")
 class StepProfiler(Callback):
+    name = "step_profiler"
+    Options = StepProfilerOptions
+
     def __init__(self, start_step: int = 3, steps: int = 2, ranks=(0,), record_shapes: bool = False,
                  profile_memory: bool = False, with_stack: bool = False, table_rows: int = 25):
-        self.start_step = _nonneg_int("start_step", start_step)
-        self.steps = _nonneg_int("steps", steps, 1)
-        if not isinstance(ranks, (list, tuple)) or not all(isinstance(r, int) for r in ranks):
-            raise TypeError(f"ranks: expected a list of rank numbers, got {ranks!r}")
-        self.ranks = set(ranks)
-        self.options = dict(record_shapes=record_shapes, profile_memory=profile_memory,
-                            with_stack=with_stack)
-        self.table_rows = _nonneg_int("table_rows", table_rows, 1)
+        o = self.options(start_step=start_step, steps=steps,
+                         ranks=list(ranks) if isinstance(ranks, (list, tuple)) else ranks,
+                         record_shapes=record_shapes, profile_memory=profile_memory,
+                         with_stack=with_stack, table_rows=table_rows)
+        self.start_step, self.steps, self.ranks = o.start_step, o.steps, set(o.ranks)
+        self.profile_options = dict(record_shapes=o.record_shapes,
+                                    profile_memory=o.profile_memory, with_stack=o.with_stack)
+        self.table_rows = o.table_rows
         self.prof = None
         self.written = None  # (trace path, table path) once written
 
@@ -42,7 +54,7 @@ class StepProfiler(Callback):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if trainer.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.prof = torch.profiler.profile(activities=activities, **self.options)
+        self.prof = torch.profiler.profile(activities=activities, **self.profile_options)
         self.prof.__enter__()
         self.first, self.rank = step + 1, rank
 

@@ -6,19 +6,29 @@ parameters with the largest whole-parameter norms (ZeRO shards combined), before
 
 Training records then carry `grad_norm_total` and `grad_norm_top` ([[name, norm], ...]).
 """
+from dataclasses import dataclass
+
+from dr_scale.callbacks.base import Callback
+from dr_scale.callbacks.per_layer_clip import BETWEEN_BACKWARD_AND_STEP
 from dr_scale.compat.grads import grad_norms, local_grads
+from dr_scale.config.typed import Section, field
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
+
+
+@dataclass
+class GradNormMonitorOptions(Section):
+    top_k: int = field(5, min=1, help="how many of the largest per-parameter norms to record")
 
 
 @CALLBACK_REGISTRY.register("grad_norm_monitor")
 class GradNormMonitor(Callback):
+    name = "grad_norm_monitor"
+    Options = GradNormMonitorOptions
+    not_with_pipeline = BETWEEN_BACKWARD_AND_STEP
     order = -10  # before per_layer_clip in the same after_backward: it sees unclipped gradients
 
     def __init__(self, top_k: int = 5):
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise TypeError(f"top_k: expected an integer >= 1, got {top_k!r}")
-        self.top_k = top_k
+        self.top_k = self.options(top_k=top_k).top_k
 
     def after_backward(self, trainer, step, micro_step):
         if micro_step != trainer.layout["accum"] - 1 or not trainer.will_log(step + 1):

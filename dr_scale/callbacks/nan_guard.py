@@ -11,13 +11,15 @@ hooks do the same for module outputs (`trace_outputs`), naming the first module,
 modules finished, whose output was not finite: where a NaN was born rather than where it ended.
 """
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from dr_scale.callbacks.base import Callback
+from dr_scale.config.typed import Section, field
 from dr_scale.errors import TrainingStopped
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
 
 
 class NonFiniteOutputs:
@@ -50,15 +52,21 @@ class NonFiniteOutputs:
             h.remove()
 
 
+@dataclass
+class NanGuardOptions(Section):
+    max_consecutive: int = field(3, min=1, help="stop after this many skipped steps in a row")
+    trace_outputs: bool = field(True, help="name the first module whose output went bad")
+
+
 @CALLBACK_REGISTRY.register("nan_guard")
 class NanGuard(Callback):
+    name = "nan_guard"
+    Options = NanGuardOptions
+
     def __init__(self, max_consecutive: int = 3, trace_outputs: bool = True):
-        if not isinstance(max_consecutive, int) or max_consecutive < 1:
-            raise TypeError(f"max_consecutive: expected an integer >= 1, got {max_consecutive!r}")
-        if not isinstance(trace_outputs, bool):
-            raise TypeError(f"trace_outputs: expected true or false, got {trace_outputs!r}")
-        self.max_consecutive = max_consecutive
-        self.trace_outputs = trace_outputs
+        o = self.options(max_consecutive=max_consecutive, trace_outputs=trace_outputs)
+        self.max_consecutive = o.max_consecutive
+        self.trace_outputs = o.trace_outputs
         self.outputs = None
         self.consecutive = 0
         self.skipped_total = 0

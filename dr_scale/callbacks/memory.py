@@ -8,15 +8,18 @@ memory.png, and an alert that warns when use passes a threshold.
 """
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
 
+from dr_scale.callbacks.base import Callback
+from dr_scale.config.typed import Section, field
 from dr_scale.errors import DrScaleError
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -94,14 +97,20 @@ class MemoryMonitor:
         return Path(path)
 
 
+@dataclass
+class MemoryMonitorOptions(Section):
+    every: int = field(1, min=1, help="sample every this many steps")
+
+
 @CALLBACK_REGISTRY.register("memory_monitor")
 class MemoryMonitorCallback(Callback):
     """Samples every `every` steps on every rank; rank 0 writes memory.png at the end."""
 
+    name = "memory_monitor"
+    Options = MemoryMonitorOptions
+
     def __init__(self, every: int = 1):
-        if not isinstance(every, int) or every < 1:
-            raise TypeError(f"every: expected an integer >= 1, got {every!r}")
-        self.every, self.monitor = every, MemoryMonitor()
+        self.every, self.monitor = self.options(every=every).every, MemoryMonitor()
 
     def on_train_start(self, trainer):
         self.monitor.sample(trainer.step)
@@ -118,14 +127,25 @@ class MemoryMonitorCallback(Callback):
             trainer.logger.info(f"wrote {out}")
 
 
+@dataclass
+class MemoryAlertOptions(Section):
+    max_usage: Any = field("80%", help="'80%' of the device (or host), '12GiB', or bytes")
+    every: int = field(100, min=1, help="repeat the warning at most every this many steps")
+
+
 @CALLBACK_REGISTRY.register("memory_alert")
 class MemoryAlertCallback(Callback):
     """Warns when this rank's memory passes `max_usage`: once, then every `every` steps."""
 
+    name = "memory_alert"
+    Options = MemoryAlertOptions
+
     def __init__(self, max_usage="80%", every: int = 100):
-        if not isinstance(every, int) or every < 1:
-            raise TypeError(f"every: expected an integer >= 1, got {every!r}")
-        self.threshold = parse_threshold(max_usage)
+        every = self.options(max_usage=max_usage, every=every).every
+        try:
+            self.threshold = parse_threshold(max_usage)
+        except DrScaleError as e:
+            raise DrScaleError(f"callbacks.memory_alert.{e}") from None
         self.max_usage, self.every = max_usage, every
         self.last_alert = None
         self.alerts = 0

@@ -9,15 +9,20 @@ that to 0 to clip per layer only.
       per_layer_clip: {enabled: true, max_norm: 1.0, exempt: ["*bias", "*norm*"]}
 """
 import fnmatch
+from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
 
+from dr_scale.callbacks.base import Callback
 from dr_scale.compat.grads import grad_norms, local_grads, scale_
+from dr_scale.config.typed import Section, field
 from dr_scale.registry import CALLBACK_REGISTRY
-from dr_scale.train.callbacks import Callback
 
 DEFAULT_EXEMPT = ("*bias", "*norm*", "*.ln_*")
+
+BETWEEN_BACKWARD_AND_STEP = ("it acts between backward and the optimizer step, which DeepSpeed's "
+                             "pipeline engine runs in one call")
 
 
 def exempt_mask(names: Sequence[str], patterns: Sequence[str]) -> List[bool]:
@@ -40,14 +45,23 @@ def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str]):
     return norms, factors
 
 
+@dataclass
+class PerLayerClipOptions(Section):
+    max_norm: float = field(1.0, min=1e-12, help="each parameter's gradient norm at most this")
+    exempt: List[str] = field(factory=lambda: list(DEFAULT_EXEMPT),
+                              help="name patterns (fnmatch) left unclipped")
+
+
 @CALLBACK_REGISTRY.register("per_layer_clip")
 class PerLayerClip(Callback):
+    name = "per_layer_clip"
+    Options = PerLayerClipOptions
+    not_with_pipeline = BETWEEN_BACKWARD_AND_STEP
+
     def __init__(self, max_norm: float = 1.0, exempt: Sequence[str] = DEFAULT_EXEMPT):
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
-            raise TypeError(f"max_norm: expected a number > 0, got {max_norm!r}")
-        if isinstance(exempt, str) or not all(isinstance(p, str) for p in exempt):
-            raise TypeError(f"exempt: expected a list of name patterns, got {exempt!r}")
-        self.max_norm, self.exempt = float(max_norm), list(exempt)
+        o = self.options(max_norm=max_norm, exempt=list(exempt) if isinstance(
+            exempt, (list, tuple)) else exempt)
+        self.max_norm, self.exempt = o.max_norm, list(o.exempt)
 
     def after_backward(self, trainer, step, micro_step):
         if micro_step != trainer.layout["accum"] - 1:
