@@ -7,6 +7,9 @@ packages = find_packages(include=["dr_scale", "dr_scale.*"])
 packages += ["dr_scale.kernels"] + [
     "dr_scale.kernels." + p for p in find_packages(where="kernels")
 ]
+# The top-level ds_configs/ (DeepSpeed JSON only) travels as data inside the package, so an
+# installed dr_scale resolves `--ds_config zero3` from any directory.
+packages += ["dr_scale.ds_configs"]
 
 setup(
     name="dr_scale",
@@ -14,9 +17,9 @@ setup(
     description="Pretraining decoder language models with DeepSpeed, from one CPU to many GPU nodes",
     python_requires=">=3.10",
     packages=packages,
-    package_dir={"dr_scale.kernels": "kernels"},
-    package_data={"dr_scale": ["data/corpus/*.jsonl.gz", "data/corpus/*.md", "defaults/*.yaml",
-                               "defaults/ds_configs/*.json"]},
+    package_dir={"dr_scale.kernels": "kernels", "dr_scale.ds_configs": "ds_configs"},
+    package_data={"dr_scale": ["data/corpus/*.jsonl.gz", "data/corpus/*.md"],
+                  "dr_scale.ds_configs": ["*.json"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.16",

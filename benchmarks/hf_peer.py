@@ -35,7 +35,8 @@ def main():
     from dr_scale import ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.hardware import bf16_support
-    from dr_scale.launch import init_distributed, param_groups
+    from dr_scale.distributed import init_distributed
+    from dr_scale.train.engine import param_groups
     from dr_scale.models import resolve_shape
     from dr_scale.train.metrics import peak_memory_bytes
 

@@ -85,7 +85,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from dr_scale.launch import init_distributed
+    from dr_scale.distributed import init_distributed
 
     init_distributed()
     from megatron.core import parallel_state

@@ -7,8 +7,17 @@ from typing import Any, Dict, Optional, Tuple
 
 from dr_scale.errors import DrScaleError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+
+def _bundled_dir() -> Path:
+    """ds_configs/ inside an installed copy (setup.py ships it as package data), else the
+    checkout's top-level folder (an editable install, or running from the source tree)."""
+    here = Path(__file__).resolve().parent
+    installed = here / "ds_configs"
+    return installed if installed.is_dir() else here.parent / "ds_configs"
+
+
+DS_CONFIG_DIR = _bundled_dir()
 
 # DeepSpeed scheduler params we know how to fill, by scheduler type.
 _SCHEDULER_AUTO = {

@@ -96,3 +96,49 @@ def test_deepspeed_rejections_become_one_line(cache_dir, tmp_path):
     proc = launch(["--ds_config", bad, "--run_dir", tmp_path / "b"], 1, cache_dir,
                   launcher="python", check=False, timeout=300)
     assert "bad.json: zero_optimization.bogus_key: Extra inputs are not permitted" in errors_of(proc)
+
+
+def test_whole_config_is_checked_before_the_process_group(cache_dir, tmp_path):
+    """An unknown preset, an impossible layout or a bad callback option stop the launcher before
+    the distributed set-up (whose first step builds DeepSpeed's comm op)."""
+    for args, message in [
+        (["model.preset=llama_9b"], "model.preset: unknown preset 'llama_9b'; known: "),
+        (["parallel.tensor_parallel=3"], "tensor_parallel=3 x pipeline_parallel=1 does not "
+                                         "divide the world of 1 ranks"),
+        (["callbacks={ema: {enabled: true, decay: 2}}"], "callbacks.ema.decay: expected a number "
+                                                         "in [0, 1), got 2"),
+    ]:
+        proc = launch(["--ds_config", "zero3", "--run_dir", tmp_path / "r", *args], 1, cache_dir,
+                      launcher="python", check=False, timeout=300)
+        assert message in errors_of(proc)
+        assert "deepspeed_shm_comm_op" not in proc.stdout + proc.stderr
+        assert not (tmp_path / "r").exists()
+
+
+def test_deepspeed_config_without_optimizer_trains_with_torch_adamw(cache_dir, tmp_path):
+    """Users' own JSON often has no optimizer section: torch AdamW is built from train.* (as
+    Hugging Face's Trainer does) and said so; it trains exactly as the same AdamW named in the
+    JSON (fp32, 1 rank, 4 steps, losses equal to 1e-6)."""
+    import json
+
+    args = ["data.seq_length=64", "train.max_steps=4", "train.log_interval=1",
+            "train.eval_samples=8", "logging.plot=false", "logging.tensorboard=false"]
+    base = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": False}, "zero_optimization": {"stage": 1}}
+    named = dict(base, optimizer={"type": "AdamW", "params": {
+        "lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8,
+        "torch_adam": True}})
+    losses = {}
+    for name, ds in (("none", base), ("named", named)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(ds))
+        proc = launch(["--ds_config", path, "--run_dir", tmp_path / name, *args], 1, cache_dir,
+                      launcher="python")
+        records = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if "loss" in r]
+        if name == "none":
+            assert ("optimizer torch AdamW from train.* (lr 0.003, weight decay 0.1, betas "
+                    "0.9/0.999; the DeepSpeed config has no optimizer section)") in proc.stdout
+    assert len(losses["none"]) == 4
+    assert losses["none"] == pytest.approx(losses["named"], rel=1e-6)

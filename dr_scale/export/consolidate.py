@@ -36,8 +36,8 @@ def run_shape(run_dir: Path) -> ModelShape:
 
 def _zero0_state(tag_dir: Path, shape: ModelShape) -> dict:
     """ZeRO-0 keeps one file; with bf16/fp16 its fp32 master copies sit in the optimizer's
-    fp32_groups, in the order of launch.param_groups (matrices, then vectors)."""
-    from dr_scale.launch import param_groups
+    fp32_groups, in the order of train.engine.param_groups (matrices, then vectors)."""
+    from dr_scale.train.engine import param_groups
 
     files = list(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not files:

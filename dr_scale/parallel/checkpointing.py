@@ -48,6 +48,23 @@ def _checkpointed(forward, *args, **kwargs):
     return deepspeed.checkpointing.non_reentrant_checkpoint(run, *[leaves[i] for i in slots])
 
 
+def check(ds_config: dict, source: str = "the DeepSpeed config"):
+    """Refuse what our checkpointing cannot run with (before anything is built)."""
+    if (ds_config or {}).get("activation_checkpointing", {}).get("cpu_checkpointing"):
+        raise DrScaleError(f"{source}: activation_checkpointing.cpu_checkpointing=true: DeepSpeed's "
+                           f"non-reentrant checkpointing fails with it in the backward pass; set "
+                           f"it to false (parallel.activation_checkpointing still applies)")
+
+
+def check_compile(zero_stage: int, checkpointing: str):
+    if zero_stage == 3:
+        raise DrScaleError("model.compile=true with ZeRO-3: DeepSpeed's parameter gathering hooks "
+                           "break the compiled graphs; use ZeRO-0/1/2 or model.compile=false")
+    if checkpointing != "none":
+        raise DrScaleError("model.compile=true with parallel.activation_checkpointing: not "
+                           "combined yet; choose one")
+
+
 def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None,
           source: str = "the DeepSpeed config") -> int:
     """Wrap the modules `mode` names; returns how many were wrapped."""
@@ -55,11 +72,8 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
         return 0
     import deepspeed
 
+    check(ds_config, source)
     section = (ds_config or {}).get("activation_checkpointing", {})
-    if section.get("cpu_checkpointing"):
-        raise DrScaleError(f"{source}: activation_checkpointing.cpu_checkpointing=true: DeepSpeed's "
-                           f"non-reentrant checkpointing fails with it in the backward pass; set "
-                           f"it to false (parallel.activation_checkpointing still applies)")
     deepspeed.checkpointing.configure(mpu,
                                       partition_activations=bool(section.get("partition_activations")),
                                       checkpoint_in_cpu=False,
@@ -76,12 +90,7 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
 def compile_blocks(model: nn.Module, zero_stage: int, checkpointing: str) -> int:
     """torch.compile each decoder block in place (parameter names unchanged): one compiled
     region per block type, reused by every block, as torchtitan does; returns how many."""
-    if zero_stage == 3:
-        raise DrScaleError("model.compile=true with ZeRO-3: DeepSpeed's parameter gathering hooks "
-                           "break the compiled graphs; use ZeRO-0/1/2 or model.compile=false")
-    if checkpointing != "none":
-        raise DrScaleError("model.compile=true with parallel.activation_checkpointing: not "
-                           "combined yet; choose one")
+    check_compile(zero_stage, checkpointing)
     blocks = decoder_blocks(model)
     for b in blocks:
         b.compile()

@@ -15,14 +15,16 @@ from dr_scale.train.metrics import peak_memory_bytes
 
 
 class Trainer:
-    def __init__(self, engine, cfg, sources, layout, dp_size, dp_rank, run_dir, logger,
-                 flops_per_token, peak_flops, device, callbacks=(), stop_at_step=None,
-                 resume_plan="direct", hardware_flops_per_token=None):
+    def __init__(self, engine, cfg, sources, layout, topology, run_dir, logger, facts, device,
+                 callbacks=(), stop_at_step=None, resume_plan="direct"):
+        """`topology`: dr_scale.parallel.topology.Topology; `facts`: run_setup.RunFacts (FLOPs
+        per token with and without recomputation, this rank's peak)."""
         self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
-        self.dp_size, self.dp_rank = dp_size, dp_rank
+        self.topology = topology
+        self.dp_size, self.dp_rank = topology.data, topology.data_rank
         self.run_dir, self.logger = Path(run_dir), logger
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.hardware_flops_per_token = hardware_flops_per_token or flops_per_token
+        self.flops_per_token, self.peak_flops = facts.flops_per_token, facts.peak_flops
+        self.hardware_flops_per_token = facts.hardware_flops_per_token
         self.pipelined = hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
         self._phase_s = ({"pipeline_step": 0.0} if self.pipelined else
                          {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0})
@@ -68,8 +70,8 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.step * self.layout["global"],
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
-                "parallel": {"tensor": self.cfg.parallel.tensor_parallel,
-                             "pipeline": self.cfg.parallel.pipeline_parallel},
+                "parallel": {"tensor": self.topology.tensor,
+                             "pipeline": self.topology.pipeline},
                 "callbacks": self.callbacks.state_dict()}  # keyed by callback name
 
     def save_checkpoint(self):
@@ -210,16 +212,16 @@ class Trainer:
         """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
         losses = torch.stack(window_losses)
         dist.all_reduce(losses)
-        losses = losses / dist.get_world_size()  # tensor-parallel ranks hold equal copies
+        losses = losses / self.topology.world  # tensor-parallel ranks hold equal copies
         mem = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the fullest rank is the one that matters
         steps = len(window_losses)
         tokens_per_s = steps * self.tokens_per_step / seconds
-        flops_per_rank = tokens_per_s * self.flops_per_token / dist.get_world_size()
+        flops_per_rank = tokens_per_s * self.flops_per_token / self.topology.world
         return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
                 "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12,
                 "mfu": flops_per_rank / self.peak_flops,
-                "hfu": tokens_per_s * self.hardware_flops_per_token / dist.get_world_size()
+                "hfu": tokens_per_s * self.hardware_flops_per_token / self.topology.world
                 / self.peak_flops,
                 "step_time_s": seconds / steps,
                 "consumed_tokens": self.step * self.tokens_per_step,

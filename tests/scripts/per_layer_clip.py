@@ -12,7 +12,8 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, clip_per_layer_
 from dr_scale.config import load_config
-from dr_scale.launch import init_distributed, param_groups
+from dr_scale.distributed import init_distributed
+from dr_scale.train.engine import param_groups
 from dr_scale.models import build_model, resolve_shape
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it

@@ -1,0 +1,81 @@
+"""The process group: started through DeepSpeed's accelerator (gloo on CPU, NCCL on GPU), left
+together at the end."""
+import glob
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_size_from_env() -> int:
+    """The world size the launcher (deepspeed, torchrun, srun) announced, before any process
+    group exists; a plain `python launchers/pretrain.py` is a world of one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed():
+    """(device, ranks on this node): deepspeed.init_distributed with the accelerator's backend;
+    a plain `python launchers/pretrain.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    if acc.device_name() == "cpu":
+        release_shm_names()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
+                      os.environ.get("WORLD_SIZE", "1"))
+    if acc.device_name() == "cpu":
+        # Ranks share the cores: more threads than cores per rank makes gloo steps erratic.
+        threads = int(os.environ.get("DR_SCALE_THREADS_PER_RANK", 0)) or \
+            max(1, (os.cpu_count() or 1) // max(1, local_world))
+        torch.set_num_threads(threads)
+        device = torch.device("cpu")
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        acc.set_device(local_rank)
+        device = torch.device(acc.device_name(local_rank))
+    return device, local_world
+
+
+def release_shm_names():
+    """DeepSpeed's CPU comm op maps a 66 MB /dev/shm buffer per rank (for inference all-reduce)
+    and never unlinks it, so every run used to leave its buffers behind until /dev/shm filled
+    and later runs crashed or hung. Once every rank has mapped its peers' buffers (the barrier),
+    the names can go: the mappings live on and the memory is freed when the ranks exit, SIGKILL
+    included."""
+    dist.barrier()
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    dist.barrier()
+
+
+def broadcast(obj):
+    """Rank 0's `obj` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def close_distributed():
+    """Leave the process group together. A rank that exits with gloo's threads still attached
+    while its peer is mid-exit can abort in C++ ("terminate called without an active
+    exception"), turning a clean stop into a crash code."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""parallelize(): every parallel dimension applied around the plain model, in one visible order,
+with the refusals beside them.
+
+    1. refusals           what DeepSpeed or our wrappers cannot combine (one line each)
+    2. tensor parallel    without a pipeline: the AutoTP section of the DeepSpeed config (AutoTP
+                          splits the linears inside deepspeed.initialize) and its (data, tensor)
+                          mesh, also used by partitioned activation checkpointing
+    3. checkpointing      activation checkpointing of decoder blocks or their attention
+    4. compile            torch.compile of each decoder block
+    5. pipeline           the model cut into DeepSpeed pipeline stages; under TP each stage's
+                          linears split over the pipeline grid's tensor group
+    6. sequence parallel  after deepspeed.initialize (AutoTP's layers exist only then):
+                          `Parallelized.after_engine`
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from dr_scale import ds_config as dsc
+from dr_scale.errors import DrScaleError
+from dr_scale.parallel import checkpointing, sequence
+from dr_scale.parallel.tensor import autotp_section, check_divisible
+from dr_scale.parallel.topology import Topology
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module           # the plain model, or a PipelineModule of its stages
+    ds: dict                   # the DeepSpeed config, its tensor_parallel section added under TP
+    mpu: Optional[Any] = None  # DeepSpeed's (data, tensor) mesh under TP without a pipeline
+    sequence_parallel: bool = False
+
+    def after_engine(self, engine):
+        if self.sequence_parallel:
+            sequence.apply(engine.module, engine.module.shape.arch)
+
+
+def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
+    """Every refusal, before anything is built (also run before the process group starts)."""
+    p, zero = cfg.parallel, dsc.zero_stage(ds)
+    if topo.pipeline > 1 and zero >= 2:
+        raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero} with "
+                           f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
+                           f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
+    if topo.tensor > 1:
+        check_divisible(shape, topo.tensor)
+        if topo.pipeline == 1:
+            autotp_section(shape, topo.tensor, p.vocab_parallel)
+    if p.sequence_parallel:
+        sequence.check(shape, topo.tensor, cfg.data.seq_length, p.vocab_parallel, topo.pipeline)
+    if p.activation_checkpointing != "none":
+        checkpointing.check(ds, source=str(ds_path))
+    if cfg.model.compile:
+        checkpointing.check_compile(zero, p.activation_checkpointing)
+
+
+def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path) -> Parallelized:
+    p = cfg.parallel
+    check(shape, topo, cfg, ds, ds_path)                                              # 1
+    mpu = None
+    if topo.tensor > 1 and topo.pipeline == 1:                                       # 2
+        from deepspeed.utils import groups
+
+        ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
+        groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
+        mpu = groups  # DeepSpeed's batch check then counts data-parallel ranks only
+    checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu,  # 3
+                        source=str(ds_path))
+    if cfg.model.compile:                                                              # 4
+        checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
+    if topo.pipeline > 1:                                                              # 5
+        from dr_scale.parallel.pipeline import to_pipeline
+        from dr_scale.parallel.tensor import shard_pipeline_stages
+
+        model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor)
+        if topo.tensor > 1:
+            shard_pipeline_stages(model, shape, topo.tensor)
+    return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

@@ -1,0 +1,226 @@
+"""The launcher's steps in detail: command line, run folder, resume plan, data, kernels, the
+figures a run reports against (FLOPs, peak) and what the start writes and says."""
+import argparse
+import dataclasses
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dr_scale import ds_config as dsc
+from dr_scale.config import load_config
+from dr_scale.config.snapshot import write_snapshot
+from dr_scale.distributed import broadcast
+from dr_scale.errors import DrScaleError
+from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
+from dr_scale.train.peak_flops import peak_flops
+
+USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
+         "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise DrScaleError(f"command line: {message} (usage: {USAGE})")
+
+
+def parse_args(argv=None):
+    p = _Parser(prog="pretrain.py", usage=USAGE)
+    p.add_argument("--ds_config", required=True, help="DeepSpeed JSON; bare names resolve to ds_configs/")
+    p.add_argument("--config", help="experiment YAML; default: the embedded default")
+    p.add_argument("--run_dir", help="run folder; default: runs/<date>-<time>")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
+                   help="save and exit after step N (the schedule still runs to train.max_steps)")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
+    p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
+    return p.parse_args(argv)
+
+
+def load_run_config(args):
+    """(config, run folder or None, weights of model.init_from or None): --resume without
+    --config reads the run's own config; model.init_from's folder decides the shape."""
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    config_path = args.config
+    if args.resume:
+        if run_dir is None:
+            raise DrScaleError("--resume: needs --run_dir (the run folder to continue)")
+        if config_path is None:
+            config_path = run_dir / "config.yaml"
+            if not config_path.is_file():
+                raise DrScaleError(f"{config_path}: not found; --resume continues a run folder "
+                                   "made by an earlier run")
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        raise DrScaleError(f"--stop_at_step {args.stop_at_step}: expected a step >= 1")
+    cfg = load_config(config_path, args.overrides)
+    init_state = None
+    if cfg.model.init_from:
+        from dr_scale.export.hf_llama import apply_init_from
+
+        init_state = apply_init_from(cfg)
+    return cfg, run_dir, init_state
+
+
+def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
+    if run_dir is None:  # one timestamp for all ranks
+        run_dir = Path(cfg.run_dir or broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
+    run_dir = run_dir.resolve()
+    if not resume and (run_dir / "checkpoints").exists():
+        raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
+                           "or choose another --run_dir")
+    return run_dir
+
+
+def plan_resume(ckpt_dir: Path, topo, ds: dict):
+    """(step, plan) for --resume; with another number of ranks or ZeRO stage, rank 0 converts the
+    checkpoint to DeepSpeed's universal format first (once) and every rank loads that."""
+    from dr_scale.train.checkpoint import (convert_to_universal, find_tag, reshard_plan,
+                                           step_of)
+
+    tag = find_tag(ckpt_dir)
+    stage = dsc.zero_stage(ds)
+    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
+    if plan == "universal":
+        if topo.rank == 0:
+            print(f"dr_scale: resharding {ckpt_dir / tag} for {topo.world} rank(s) at ZeRO-"
+                  f"{stage} (DeepSpeed universal checkpoint)", flush=True)
+            convert_to_universal(ckpt_dir, tag, stage, topo.world)
+        dist.barrier()
+    return step_of(tag), plan
+
+
+def prepare_data(cfg, layout, resumed_run_dir=None):
+    """Tokenizer + train/held-out streams; local rank 0 builds the first-use cache alone. A
+    resumed run must keep its tokenizer."""
+    from dr_scale.data.loader import build_sources, resolve_files
+    from dr_scale.data.tokenizer import file_sha256
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    files = resolve_files(cfg.data) if local_rank == 0 else None
+    dist.barrier()
+    if files is None:
+        files = resolve_files(cfg.data)
+    t = cfg.train
+    sources = build_sources(cfg.data, t.seed, train_samples=t.max_steps * layout["global"],
+                            eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
+    used = resumed_run_dir / "tokenizer.model" if resumed_run_dir else None
+    if used is not None and used.is_file() and file_sha256(used) != sources.tokenizer.sha256:
+        given = cfg.data.tokenizer or "the tokenizer trained on the bundled corpus"
+        raise DrScaleError(f"{used}: the run was trained with this tokenizer, but the resumed "
+                           f"config gives {given}; token ids would change meaning")
+    return sources
+
+
+def select_kernels(shape, model_cfg, device_type: str, precision: str):
+    """Settle `model.attention` (auto: the best available) and every op's implementation for this
+    process; returns the shape with a concrete attention name and the line that says the choices."""
+    from dr_scale.kernels import ops
+    from dr_scale.kernels.registry import KERNELS, select
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    unknown = sorted(set(model_cfg.kernels) - set(ops.OPS))
+    if unknown:
+        raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
+    try:
+        line = ops.use_kernels(device_type, dtype, model_cfg.kernels)
+    except DrScaleError as e:
+        raise DrScaleError(f"model.{e}") from None
+    name = shape.attention
+    if name != "auto" and name not in KERNELS["attention"]:  # user-registered: used as named
+        return shape, f"{line}, attention={name}"
+    try:
+        kernel = select("attention", device_type, dtype, force=None if name == "auto" else name,
+                        head_dim=shape.head_dim)
+    except DrScaleError as e:
+        raise DrScaleError(f"model.attention: {str(e).split(': ', 1)[-1]}") from None
+    shape = dataclasses.replace(shape, attention=kernel.name)
+    return shape, f"{line}, attention={kernel.name}"
+
+
+@dataclass
+class RunFacts:
+    """What throughput is measured against: model FLOPs per token (MFU), with recomputation
+    (HFU), and this rank's peak."""
+    parameters: int
+    flops_per_token: float
+    hardware_flops_per_token: float
+    peak_flops: float
+    peak_source: str
+
+
+def run_facts(model, shape, cfg, precision: str, device) -> RunFacts:
+    seq, p = cfg.data.seq_length, cfg.parallel
+    fpt = flops_per_token(shape, seq)
+    hw = fpt + recompute_flops_per_token(shape, seq, p.activation_checkpointing, p.checkpoint_every)
+    peak, source = peak_flops(precision, device.type,
+                              torch.cuda.get_device_name() if device.type == "cuda" else "")
+    return RunFacts(count_parameters(model), fpt, hw, peak, source)
+
+
+def write_run_snapshot(run_dir: Path, resume: bool, cfg, ds, topo, local_world, device, shape,
+                       facts: RunFacts, sources, layout):
+    snap_dir = run_dir / "resumes" / time.strftime("%Y%m%d-%H%M%S") if resume else run_dir
+    write_snapshot(snap_dir, cfg, ds, {
+        "world": {"world_size": topo.world, "ranks_per_node": local_world,
+                  "data_parallel": topo.data, "tensor_parallel": topo.tensor,
+                  "pipeline_parallel": topo.pipeline, "device": device.type,
+                  "backend": dist.get_backend()},
+        "model": {"shape": shape.__dict__, "parameters": facts.parameters,
+                  "flops_per_token": facts.flops_per_token,
+                  "hardware_flops_per_token": facts.hardware_flops_per_token},
+        "data": {"tokenizer": str(sources.tokenizer.path),
+                 "tokenizer_sha256": sources.tokenizer.sha256,
+                 "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
+                              for d, w in zip(sources.train.datasets, sources.train.weights)]},
+        "batch": layout, "peak_flops": {"value": facts.peak_flops, "source": facts.peak_source}})
+    if not resume:
+        shutil.copyfile(sources.tokenizer.path, run_dir / "tokenizer.model")
+
+
+@dataclass
+class StartLine:
+    """What rank 0 says before the first step: world, precision and why, model, batch, layout,
+    kernels, optimizer, and a warning where bf16 would be emulated."""
+    topo: object
+    local_world: int
+    device: torch.device
+    ds: dict
+    raw_ds: dict
+    bf16: object
+    ds_path: Path
+    cfg: object
+    shape: object
+    facts: RunFacts
+    layout: dict
+    run_dir: Path
+    kernels_line: str
+
+    def lines(self):
+        from dr_scale.train.engine import describe_optimizer
+
+        t, c, layout = self.topo, self.cfg, self.layout
+        precision = dsc.precision(self.ds)
+        why, warning = dsc.bf16_choice(self.raw_ds, self.bf16, str(self.ds_path))
+        yield (f"dr_scale: {t.world} rank(s) ({self.local_world} on this node), "
+               f"{self.device.type}, {dist.get_backend()}, ZeRO-{dsc.zero_stage(self.ds)}, "
+               f"{precision}{f' ({why})' if why else ''}; model {c.model.preset} "
+               f"({self.shape.arch}) {self.facts.parameters / 1e6:.2f}M parameters; batch "
+               f"{layout['micro']} x {layout['accum']} accumulation x {t.data} data-parallel = "
+               f"{layout['global']} x {c.data.seq_length} tokens; run folder {self.run_dir}")
+        if warning:
+            yield warning
+        yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {self.kernels_line}; "
+               f"{describe_optimizer(self.ds, c.train)}")
+
+
+def lm_head_note(topo, parallel_cfg) -> str:
+    if topo.tensor == 1:
+        return ""
+    if topo.pipeline > 1:
+        return ", LM head replicated (vocab_parallel does not apply to pipeline stages)"
+    note = ", LM head split by vocabulary" if parallel_cfg.vocab_parallel else ", LM head replicated"
+    return note + (", sequence parallel" if parallel_cfg.sequence_parallel else "")

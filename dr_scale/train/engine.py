@@ -1,0 +1,90 @@
+"""deepspeed.initialize, with DeepSpeed's own config complaints turned into one line, and
+torch's AdamW built from `train.*` where the DeepSpeed JSON names no optimizer."""
+from typing import Optional
+
+import torch
+
+from dr_scale.errors import DrScaleError
+
+# Betas of the optimizer built when the DeepSpeed JSON has none: torch's (and Hugging Face
+# Trainer's) defaults; the bundled configs say 0.95 for the second, as Llama's recipe does.
+DEFAULT_BETAS = (0.9, 0.999)
+
+
+def param_groups(model, weight_decay: float):
+    """No weight decay on vectors (norm weights, biases)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def default_optimizer(ds: dict, groups, train_cfg) -> Optional[torch.optim.Optimizer]:
+    """torch AdamW from `train.*` when `ds` has no `optimizer` section (users' own JSON often
+    has none; DeepSpeed would stop with "zero stage 1 requires an optimizer"); None otherwise."""
+    if "optimizer" in ds:
+        return None
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=DEFAULT_BETAS, eps=1e-8,
+                             weight_decay=train_cfg.weight_decay)
+
+
+def describe_optimizer(ds: dict, train_cfg) -> str:
+    if "optimizer" in ds:
+        return f"optimizer {ds['optimizer'].get('type', '?')} (DeepSpeed config)"
+    return (f"optimizer torch AdamW from train.* (lr {train_cfg.lr:g}, weight decay "
+            f"{train_cfg.weight_decay:g}, betas {DEFAULT_BETAS[0]}/{DEFAULT_BETAS[1]}; the "
+            f"DeepSpeed config has no optimizer section)")
+
+
+def check_precision(ds: dict, precision: str, ds_path):
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    supported = {"bf16": acc.is_bf16_supported, "fp16": acc.is_fp16_supported}
+    if precision in supported and not supported[precision]():
+        alternative = "a bf16 config such as zero2" if precision == "fp16" else "an fp16 config"
+        raise DrScaleError(f"{ds_path}: {precision}.enabled: {precision} is not supported on the "
+                           f"{acc.device_name()} accelerator here; use {alternative}")
+
+
+def _dotted_path(ds: dict, loc) -> str:
+    """DeepSpeed validates sections separately, so its error path lacks the section: find it."""
+    def search(node, prefix):
+        if not isinstance(node, dict):
+            return None
+        probe = node
+        for part in loc:
+            if not isinstance(probe, dict) or part not in probe:
+                probe = None
+                break
+            probe = probe[part]
+        if probe is not None:
+            return prefix + ".".join(loc)
+        for k, v in node.items():
+            hit = search(v, f"{prefix}{k}.")
+            if hit:
+                return hit
+        return None
+
+    return search(ds, "") or ".".join(loc)
+
+
+def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None):
+    """The DeepSpeed engine around `model` (plain or a PipelineModule)."""
+    import deepspeed
+
+    groups = param_groups(model, train_cfg.weight_decay)
+    optimizer = default_optimizer(ds, groups, train_cfg)
+    try:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups if optimizer is None else None,
+            optimizer=optimizer, config=ds, lr_scheduler=scheduler, mpu=mpu)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        errors = getattr(e, "errors", None)
+        if callable(errors) and errors():
+            first = errors()[0]
+            where = _dotted_path(ds, [str(x) for x in first.get("loc", ())])
+            raise DrScaleError(f"{ds_path}: {where}: {first.get('msg')} (DeepSpeed)") from None
+        raise DrScaleError(f"{ds_path}: DeepSpeed rejected the config: "
+                           f"{str(e).splitlines()[0]}") from None
+    return engine
