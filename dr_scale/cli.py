@@ -39,7 +39,7 @@ def cmd_export(a):
     from pathlib import Path
 
     from dr_scale.export.consolidate import consolidated_state_dict, run_shape
-    from dr_scale.export.hf_llama import write_folder
+    from dr_scale.export.hf import write_folder
     from dr_scale.data.tokenizer import Tokenizer
     from dr_scale.train.checkpoint import find_tag
 
@@ -63,11 +63,11 @@ def cmd_export(a):
 
 def cmd_presets(a):
     from dr_scale.config import load_config
-    from dr_scale.models import PRESETS, build_model, resolve_shape
+    from dr_scale.models import all_presets, build_model, resolve_shape
     from dr_scale.models.build import count_parameters, flops_per_token
 
     print(f"{'preset':<12} {'arch':<6} {'params':>10} {'GFLOP/token @2048':>18}")
-    for name in PRESETS:
+    for name in all_presets():
         shape = resolve_shape(load_config(overrides=[f"model.preset={name}"]).model)
         n = count_parameters(build_model(shape, device="meta"))
         print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {flops_per_token(shape, 2048) / 1e9:>18.2f}")

@@ -69,7 +69,7 @@ def run(args):
     torch.manual_seed(cfg.train.seed)
     model = build_model(shape)
     if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
-        from dr_scale.export.hf_llama import load_into
+        from dr_scale.export.hf import load_into
 
         load_into(model, init_state, cfg.model.init_from)
     del init_state

@@ -59,7 +59,7 @@ def load_run_config(args):
     cfg = load_config(config_path, args.overrides)
     init_state = None
     if cfg.model.init_from:
-        from dr_scale.export.hf_llama import apply_init_from
+        from dr_scale.export.hf import apply_init_from
 
         init_state = apply_init_from(cfg)
     return cfg, run_dir, init_state

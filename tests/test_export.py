@@ -61,7 +61,7 @@ def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path):
 def test_import_of_a_transformers_llama_matches_its_logits(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dr_scale.export.hf_llama import read_folder
+    from dr_scale.export.hf import read_folder
     from dr_scale.models import build_model
     from dr_scale.models.build import ModelShape
 

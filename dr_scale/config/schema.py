@@ -8,8 +8,9 @@ from dr_scale.config.typed import Section, field
 @dataclass
 class ModelConfig(Section):
     # A preset names the shape; any field set here overrides the preset's value.
-    preset: str = field("tiny", help="name in dr_scale.models.presets")
-    arch: Optional[str] = field(None, choices=["llama", "gpt2"])
+    preset: str = field("tiny", help="a registered family's preset (`dr-scale presets`)")
+    arch: Optional[str] = field(None, help="a family in MODEL_REGISTRY, checked against it "
+                                "when the shape is resolved")
     hidden_size: Optional[int] = field(None, min=1)
     num_layers: Optional[int] = field(None, min=1)
     num_heads: Optional[int] = field(None, min=1)
@@ -26,7 +27,8 @@ class ModelConfig(Section):
     dropout: float = field(0.0, min=0.0, max=1.0)
     init_std: float = field(0.02, min=0.0)
     pad_vocab_multiple: int = field(64, min=1)
-    init_from: Optional[str] = field(None, help="Hugging Face Llama folder to start from")
+    init_from: Optional[str] = field(None, help="Hugging Face folder to start from (a family "
+                                     "whose ModelSpec has an HF format)")
     compile: bool = field(False, help="torch.compile each decoder block (regional compilation)")
 
 

@@ -1,4 +1,4 @@
-"""Plain nn.Module decoders, built by name through MODEL_REGISTRY."""
+"""Plain nn.Module decoders, one file per family, each registering its ModelSpec
+(dr_scale/models/spec.py) in MODEL_REGISTRY: importing a family's file is what adds it."""
 from dr_scale.models import attention, gpt2, llama  # noqa: F401  (registration)
-from dr_scale.models.build import build_model, resolve_shape  # noqa: F401
-from dr_scale.models.presets import PRESETS  # noqa: F401
+from dr_scale.models.build import all_presets, build_model, resolve_shape  # noqa: F401

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.presets import PRESETS
+from dr_scale.models.spec import ModelSpec
 from dr_scale.registry import ATTENTION_REGISTRY, MODEL_REGISTRY
 
 
@@ -38,16 +38,35 @@ class ModelShape:
         return {k: getattr(self, k) for k in keys}
 
 
+def spec_of(arch: str, source: str = "model") -> ModelSpec:
+    try:
+        return MODEL_REGISTRY.get(arch)
+    except DrScaleError as e:
+        raise DrScaleError(f"{source}.arch: {e}") from None
+
+
+def all_presets():
+    """Preset name -> shape fields, over every registered family."""
+    out = {}
+    for arch in MODEL_REGISTRY.names():
+        for name, fields in MODEL_REGISTRY.get(arch).presets.items():
+            if name in out:
+                raise DrScaleError(f"model preset '{name}' is defined by two families")
+            out[name] = fields
+    return out
+
+
 def pad_vocab(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="model") -> ModelShape:
     """Preset values, overridden by any field set in the config; vocabulary from the tokenizer."""
-    if model_cfg.preset not in PRESETS:
+    presets = all_presets()
+    if model_cfg.preset not in presets:
         raise DrScaleError(f"{source}.preset: unknown preset '{model_cfg.preset}'; known: "
-                           f"{', '.join(sorted(PRESETS))}")
-    values = dict(PRESETS[model_cfg.preset])
+                           f"{', '.join(sorted(presets))}")
+    values = dict(presets[model_cfg.preset])
     for f in dataclasses.fields(ModelShape):
         v = getattr(model_cfg, f.name, None)
         if v is not None and f.name != "vocab_size":
@@ -62,13 +81,14 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
     elif model_cfg.vocab_size is not None:
         values["vocab_size"] = model_cfg.vocab_size
     shape = ModelShape(**values)
+    spec = spec_of(shape.arch, source)
     if shape.hidden_size % shape.num_heads:
         raise DrScaleError(f"{source}.hidden_size={shape.hidden_size} is not divisible by "
                            f"{source}.num_heads={shape.num_heads}")
     if shape.num_heads % shape.num_kv_heads:
         raise DrScaleError(f"{source}.num_heads={shape.num_heads} is not a multiple of "
                            f"{source}.num_kv_heads={shape.num_kv_heads}")
-    if shape.arch == "llama" and shape.head_dim % 2:
+    if spec.rotary and shape.head_dim % 2:
         raise DrScaleError(f"{source}: head dim {shape.head_dim} must be even for rotary embeddings")
     if shape.attention != "auto":  # auto is settled at start, once the device is known
         try:
@@ -80,10 +100,11 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
 
 def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:
     """Build the plain nn.Module; device="meta" allocates nothing (counting, estimates)."""
+    module = spec_of(shape.arch).module
     if device is None:
-        return MODEL_REGISTRY.build(shape.arch, shape)
+        return module(shape)
     with torch.device(device):
-        return MODEL_REGISTRY.build(shape.arch, shape)
+        return module(shape)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -102,7 +123,7 @@ def flops_per_token(shape: ModelShape, seq_length: int) -> float:
     d, L, f = shape.hidden_size, shape.num_layers, shape.ffn_hidden_size
     kv = shape.num_kv_heads * shape.head_dim
     attn = d * d * 2 + d * kv * 2                      # q, o and k, v projections
-    mlp = 3 * d * f if shape.arch == "llama" else 2 * d * f
+    mlp = spec_of(shape.arch).mlp_matrices * d * f
     matmul_params = L * (attn + mlp) + d * shape.vocab_size
     return 6.0 * matmul_params + 12.0 * L * d * seq_length
 
@@ -116,6 +137,6 @@ def recompute_flops_per_token(shape: ModelShape, seq_length: int, checkpointing:
     d, f = shape.hidden_size, shape.ffn_hidden_size
     kv = shape.num_kv_heads * shape.head_dim
     attention = 2.0 * (d * d * 2 + d * kv * 2) + 4.0 * d * seq_length
-    mlp = 2.0 * (3 * d * f if shape.arch == "llama" else 2 * d * f)
+    mlp = 2.0 * spec_of(shape.arch).mlp_matrices * d * f
     per_layer = attention + (mlp if checkpointing == "full" else 0.0)
     return per_layer * len(range(0, shape.num_layers, every))

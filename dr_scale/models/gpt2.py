@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss, init_weights
+from dr_scale.models.spec import ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
 
@@ -20,7 +21,6 @@ class GPT2Block(nn.Module):
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
-@MODEL_REGISTRY.register("gpt2")
 class GPT2LMHeadModel(nn.Module):
     def __init__(self, shape):
         super().__init__()
@@ -46,3 +46,21 @@ class GPT2LMHeadModel(nn.Module):
         if labels is None:
             return logits
         return self.loss_function(logits, shift_labels=labels)
+
+
+_GPT2 = dict(arch="gpt2", tie_embeddings=True, norm_eps=1e-5, rope_theta=10000.0)
+
+SPEC = MODEL_REGISTRY.register("gpt2", ModelSpec(
+    arch="gpt2", module=GPT2LMHeadModel, gated_mlp=False,
+    tp_plan=(
+        {"patterns": [r".*\.attn\.[qkv]_proj\.weight$", r".*\.mlp\.fc_in\.weight$"],
+         "partition_type": "column"},
+        {"patterns": [r".*\.attn\.o_proj\.weight$", r".*\.mlp\.fc_out\.weight$"],
+         "partition_type": "row"},
+    ),
+    presets={
+        "gpt2_tiny": dict(_GPT2, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8,
+                          ffn_hidden_size=1024, max_seq_length=1024, vocab_size=4096),
+        "gpt2_124m": dict(_GPT2, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12,
+                          ffn_hidden_size=3072, max_seq_length=1024, vocab_size=50257),
+    }))

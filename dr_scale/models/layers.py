@@ -42,14 +42,15 @@ class Rotary(nn.Module):
 class SelfAttention(nn.Module):
     """Multi-head attention with grouped-query heads; rotary when `rotary` tables are passed."""
 
-    def __init__(self, shape, bias: bool):
+    def __init__(self, shape, bias: bool, out_bias: bool = None):
+        """`bias` on the q, k, v projections; `out_bias` on the output one (default: `bias`)."""
         super().__init__()
         d, hd = shape.hidden_size, shape.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, hd
         self.q_proj = nn.Linear(d, shape.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=bias)
+        self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=bias if out_bias is None else out_bias)
         self.attend = ATTENTION_REGISTRY.get(shape.attention)
         self.dropout = shape.dropout
 

@@ -1,21 +1,24 @@
 """Llama-style decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention.
 
 Parameter names follow Hugging Face's LlamaForCausalLM (model.layers.N.self_attn.q_proj, ...), so
-export and import are a copy, not a translation.
+export and import are a copy, not a translation; rotary embeddings use the same half-split
+layout, so no q/k permutation is needed either.
 """
 import torch
 from torch import nn
 
+from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import (RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss,
                                     init_weights)
+from dr_scale.models.spec import HFFormat, ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, shape, qkv_bias: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
-        self.self_attn = SelfAttention(shape, bias=False)
+        self.self_attn = SelfAttention(shape, bias=qkv_bias, out_bias=False)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.mlp = SwiGLU(shape.hidden_size, shape.ffn_hidden_size)
 
@@ -25,20 +28,21 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, shape, qkv_bias: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaBlock(shape) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(LlamaBlock(shape, qkv_bias) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.rotary = Rotary(shape.head_dim, shape.max_seq_length, shape.rope_theta)
 
 
-@MODEL_REGISTRY.register("llama")
 class LlamaForCausalLM(nn.Module):
+    qkv_bias = False  # Qwen2 differs here
+
     def __init__(self, shape):
         super().__init__()
         self.shape = shape
-        self.model = LlamaBody(shape)
+        self.model = LlamaBody(shape, self.qkv_bias)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -56,3 +60,81 @@ class LlamaForCausalLM(nn.Module):
         if labels is None:
             return logits
         return self.loss_function(logits, shift_labels=labels)
+
+
+# Megatron-style: column-parallel where the block fans out, row-parallel where it writes back
+# into the residual stream (one all-reduce per attention and per MLP).
+TP_PLAN = (
+    {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.(gate|up)_proj\.weight$"],
+     "partition_type": "column"},
+    {"patterns": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"],
+     "partition_type": "row"},
+)
+
+
+def hf_config(shape, eod_id: int, architecture="LlamaForCausalLM", model_type="llama") -> dict:
+    return {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": shape.max_seq_length, "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "tie_word_embeddings": shape.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "initializer_range": shape.init_std, "bos_token_id": 1, "eos_token_id": eod_id,
+        "torch_dtype": "float32", "dtype": "float32",
+    }
+
+
+def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
+    """Model fields (for the `model:` config section) from a Hugging Face config.json."""
+    try:
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
+            "rope_theta", 10000.0)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise DrScaleError(f"{source}: rope scaling {rope!r} is not supported")
+        heads = config["num_attention_heads"]
+        if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+            raise DrScaleError(f"{source}: head_dim x heads != hidden_size is not supported")
+        if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+            raise DrScaleError(f"{source}: attention or MLP biases are not supported")
+        return dict(arch=arch, hidden_size=config["hidden_size"],
+                    num_layers=config["num_hidden_layers"], num_heads=heads,
+                    num_kv_heads=config.get("num_key_value_heads", heads),
+                    ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+                    max_seq_length=config.get("max_position_embeddings", 2048),
+                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+                    norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta))
+    except KeyError as e:
+        raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
+
+
+_LLAMA = dict(arch="llama", tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0)
+
+SPEC = MODEL_REGISTRY.register("llama", ModelSpec(
+    arch="llama", module=LlamaForCausalLM, gated_mlp=True, rotary=True, tp_plan=TP_PLAN,
+    sequence_parallel=("model.embed_tokens", "lm_head"), pipeline=True,
+    hf=HFFormat("LlamaForCausalLM", "llama", hf_config, shape_from_hf),
+    presets={
+        # The embedded default: trains on two CPU cores in minutes.
+        "tiny": dict(_LLAMA, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                     ffn_hidden_size=704, max_seq_length=1024, vocab_size=4096,
+                     tie_embeddings=True),
+        "llama_125m": dict(_LLAMA, hidden_size=768, num_layers=12, num_heads=12,
+                           num_kv_heads=12, ffn_hidden_size=2048, max_seq_length=2048,
+                           vocab_size=32000, tie_embeddings=True),
+        # Llama-3.2-1B shape.
+        "llama_1b": dict(_LLAMA, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                         ffn_hidden_size=8192, max_seq_length=4096, vocab_size=128256,
+                         tie_embeddings=True, rope_theta=500000.0),
+        # Llama-2-7B and Llama-2-70B shapes.
+        "llama_7b": dict(_LLAMA, hidden_size=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=32, ffn_hidden_size=11008, max_seq_length=4096,
+                         vocab_size=32000),
+        "llama_70b": dict(_LLAMA, hidden_size=8192, num_layers=80, num_heads=64,
+                          num_kv_heads=8, ffn_hidden_size=28672, max_seq_length=4096,
+                          vocab_size=32000),
+    }))

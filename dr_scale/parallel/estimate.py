@@ -21,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from dr_scale.errors import DrScaleError
+from dr_scale.models.build import spec_of
 
 # Resident set of a CPU rank after torch + DeepSpeed + gloo are up, before the model: measured on
 # the 2-core CI machine (python, torch 2.13, deepspeed 0.19.8) as the peak RSS of a run of a
@@ -50,10 +51,9 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
     import re
 
     from dr_scale.models import build_model
-    from dr_scale.parallel.tensor import PLANS
 
     model = build_model(shape, device="meta")
-    patterns = [re.compile(p) for spec in PLANS.get(shape.arch, []) for p in spec["patterns"]]
+    patterns = [re.compile(p) for plan in spec_of(shape.arch).tp_plan for p in plan["patterns"]]
     sharded = replicated = 0
     seen = set()
     head = id(model.lm_head.weight) if vocab_parallel else None
@@ -76,7 +76,8 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
     # the fp32 normalized output
     norms = 2 * (bytes_per * h if fused_norms else 8 * h)
     attention = bytes_per * (h + (h + 2 * kv) + h + h)  # block input, q/k/v, output, o_proj input
-    mlp = bytes_per * (h + 4 * f)  # input; gate, silu(gate), up, product
+    # input; gated (SwiGLU): gate, silu(gate), up, product; GeLU: fc_in output, gelu output
+    mlp = bytes_per * (h + (4 if spec_of(shape.arch).gated_mlp else 2) * f)
     return norms + attention + mlp
 
 

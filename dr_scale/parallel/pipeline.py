@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dr_scale.errors import DrScaleError
+from dr_scale.models.build import spec_of
 from dr_scale.kernels import ops
 
 
@@ -55,9 +56,9 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor
     from deepspeed.pipe import PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    if shape.arch != "llama":
-        raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for llama "
-                           f"models; model.arch is {shape.arch}")
+    if not spec_of(shape.arch).pipeline:
+        raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for the "
+                           f"Llama layout; model.arch {shape.arch} does not have it")
     if shape.num_layers < stages:
         raise DrScaleError(f"parallel.pipeline_parallel={stages} exceeds model.num_layers="
                            f"{shape.num_layers}: every stage needs a block")

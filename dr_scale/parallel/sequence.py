@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dr_scale.errors import DrScaleError
+from dr_scale.models.build import spec_of
 
 SEQ = 1  # (batch, sequence, hidden)
 
@@ -111,12 +112,8 @@ def _sum_over(group):
     return hook
 
 
-# Where the sequence is split and gathered again, per architecture (module names).
-BOUNDARIES = {"llama": ("model.embed_tokens", "lm_head")}
-
-
 def check(shape, tp: int, seq_length: int, vocab_parallel: bool, pipeline: int):
-    if shape.arch not in BOUNDARIES:
+    if spec_of(shape.arch).sequence_parallel is None:
         raise DrScaleError(f"parallel.sequence_parallel: built for llama models; model.arch is "
                            f"{shape.arch}")
     if tp == 1 or pipeline > 1:
@@ -136,7 +133,7 @@ def apply(model, arch: str) -> int:
     from deepspeed.module_inject.layers import (LinearAllreduce, LinearLayer,
                                                 VocabParallelLinear)
 
-    embed_name, head_name = BOUNDARIES[arch]
+    embed_name, head_name = spec_of(arch).sequence_parallel  # where it is split and gathered
     modules = dict(model.named_modules())
     group = modules[head_name].mp_group
     gather_once = _GatherOnce(group)

@@ -1,4 +1,5 @@
-"""Tensor parallelism through DeepSpeed AutoTP, with a partition plan per registered model.
+"""Tensor parallelism through DeepSpeed AutoTP, with the partition plan of each model family
+(its ModelSpec.tp_plan).
 
 The plan names the model's linears by pattern: Megatron-style column-parallel for the projections
 that fan out (q, k, v, gate, up, fc_in) and row-parallel for those that write back into the
@@ -22,22 +23,7 @@ machine). AutoTP also needs no model rewrite (a plan of name patterns), works wi
 DeepSpeed's checkpoints, and megatron-core's layers want its CUDA RNG tracker for initialization.
 """
 from dr_scale.errors import DrScaleError
-
-PLANS = {
-    "llama": [
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.(gate|up)_proj\.weight$"],
-         "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"],
-         "partition_type": "row"},
-    ],
-    "gpt2": [
-        {"patterns": [r".*\.attn\.[qkv]_proj\.weight$", r".*\.mlp\.fc_in\.weight$"],
-         "partition_type": "column"},
-        {"patterns": [r".*\.attn\.o_proj\.weight$", r".*\.mlp\.fc_out\.weight$"],
-         "partition_type": "row"},
-    ],
-}
-
+from dr_scale.models.build import spec_of
 
 def check_divisible(shape, tp: int):
     for key, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
@@ -47,16 +33,19 @@ def check_divisible(shape, tp: int):
 
 
 def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
-    """The DeepSpeed `tensor_parallel` config section for this model and TP size."""
-    if shape.arch not in PLANS:
-        raise DrScaleError(f"parallel.tensor_parallel: no tensor-parallel plan for model arch "
-                           f"'{shape.arch}'; plans exist for {', '.join(sorted(PLANS))}")
+    """The DeepSpeed `tensor_parallel` config section for this model and TP size (the plan is
+    the family's ModelSpec.tp_plan)."""
+    plan = spec_of(shape.arch).tp_plan
+    if not plan:
+        raise DrScaleError(f"parallel.tensor_parallel: model arch '{shape.arch}' has no "
+                           f"tensor-parallel plan")
     check_divisible(shape, tp)
     if vocab_parallel and shape.vocab_size < tp:
         raise DrScaleError(f"parallel.vocab_parallel: model.vocab_size={shape.vocab_size} is "
                            f"smaller than tensor_parallel={tp}")
     section = {"autotp_size": tp,
-               "partition_config": {"use_default_specs": False, "layer_specs": PLANS[shape.arch]}}
+               "partition_config": {"use_default_specs": False,
+                                    "layer_specs": [dict(spec) for spec in plan]}}
     if vocab_parallel:
         section["vocab_parallel_lm_head"] = True
     return section

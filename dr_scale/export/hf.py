@@ -1,7 +1,7 @@
-"""Hugging Face Llama folders <-> the Llama-style decoder.
+"""Hugging Face folders <-> our decoders, for every family whose ModelSpec has an `hf` format.
 
-Our parameter names are LlamaForCausalLM's, so weights copy across unchanged; only the config is
-translated. Rotary embeddings use the same half-split layout, so no q/k permutation is needed.
+Our parameter names are the transformers architecture's, so weights copy across unchanged; only
+the config is translated (by the family's own functions, in its model file).
 """
 import json
 from pathlib import Path
@@ -10,54 +10,35 @@ from typing import Dict
 import torch
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.build import ModelShape
+from dr_scale.models.build import ModelShape, spec_of
+from dr_scale.registry import MODEL_REGISTRY
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
 def hf_config(shape: ModelShape, eod_id: int) -> dict:
-    if shape.arch != "llama":
-        raise DrScaleError(f"export: model arch '{shape.arch}' has no Hugging Face Llama form; "
-                           "only the Llama-style decoder exports")
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.ffn_hidden_size, "num_hidden_layers": shape.num_layers,
-        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": shape.max_seq_length, "rms_norm_eps": shape.norm_eps,
-        "rope_theta": shape.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
-        "tie_word_embeddings": shape.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": shape.init_std, "bos_token_id": 1, "eos_token_id": eod_id,
-        "torch_dtype": "float32", "dtype": "float32",
-    }
+    fmt = spec_of(shape.arch).hf
+    if fmt is None:
+        raise DrScaleError(f"export: model arch '{shape.arch}' has no Hugging Face form here; "
+                           f"families with one: {', '.join(_families_with_hf())}")
+    return fmt.to_config(shape, eod_id)
+
+
+def _families_with_hf():
+    return [a for a in MODEL_REGISTRY.names() if MODEL_REGISTRY.get(a).hf is not None]
 
 
 def shape_from_hf(config: dict, source: str) -> dict:
-    """Model fields (for the `model:` config section) from a Hugging Face config.json."""
-    if config.get("model_type") != "llama":
-        raise DrScaleError(f"{source}: model_type is {config.get('model_type')!r}, expected 'llama'")
-    try:
-        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise DrScaleError(f"{source}: rope scaling {rope!r} is not supported")
-        heads = config["num_attention_heads"]
-        if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-            raise DrScaleError(f"{source}: head_dim x heads != hidden_size is not supported")
-        if config.get("attention_bias") or config.get("mlp_bias"):
-            raise DrScaleError(f"{source}: attention or MLP biases are not supported")
-        return dict(arch="llama", hidden_size=config["hidden_size"],
-                    num_layers=config["num_hidden_layers"], num_heads=heads,
-                    num_kv_heads=config.get("num_key_value_heads", heads),
-                    ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-                    max_seq_length=config.get("max_position_embeddings", 2048),
-                    tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                    norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta))
-    except KeyError as e:
-        raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
+    """Model fields (for the `model:` config section) from a Hugging Face config.json, by the
+    family whose format names its model_type."""
+    for arch in _families_with_hf():
+        fmt = MODEL_REGISTRY.get(arch).hf
+        if config.get("model_type") == fmt.model_type:
+            return fmt.from_config(config, source)
+    known = ", ".join(repr(MODEL_REGISTRY.get(a).hf.model_type) for a in _families_with_hf())
+    raise DrScaleError(f"{source}: model_type is {config.get('model_type')!r}, expected one of "
+                       f"{known}")
 
 
 def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, tokenizer_model,
@@ -92,7 +73,7 @@ def write_tokenizer(out: Path, tokenizer_model, eod_id: int):
 
 
 def read_folder(folder) -> tuple:
-    """(model fields, state dict) from a Hugging Face Llama folder (safetensors)."""
+    """(model fields, state dict) from a Hugging Face folder (safetensors)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
