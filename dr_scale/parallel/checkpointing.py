@@ -7,16 +7,20 @@ backward pass instead of kept.
     selective  only the attention of every k-th block (cheap to recompute, large to keep at
                long sequences without flash attention)
 
-Recomputation goes through DeepSpeed's checkpointing (non-reentrant form); its RNG handling
-makes recomputed dropout masks equal to the first pass, and the DeepSpeed config's
-`activation_checkpointing.partition_activations` splits the kept block inputs across the tensor
-group. Its `cpu_checkpointing` is refused at start: with DeepSpeed 0.19.8 the recomputed block
-got an fp32 input beside bf16 weights ("expected m1 and m2 to have the same dtype"); not traced
-further.
+Recomputation is torch's non-reentrant checkpoint (it restores the CPU and CUDA RNG state, so
+recomputed dropout masks equal the first pass). DeepSpeed's own non-reentrant checkpoint is used
+only when the DeepSpeed config asks for `activation_checkpointing.partition_activations` (the kept
+block inputs split across the tensor group), which only it does. It cannot run under ZeRO-3:
+the recomputed forward meets parameters ZeRO-3 has already released ("size of tensor a (0) must
+match ...", DeepSpeed issue 4595, reproduced with 0.19.8), so that pair is refused at start.
+Its `cpu_checkpointing` is refused too: with DeepSpeed 0.19.8 the recomputed block got an fp32
+input beside bf16 weights ("expected m1 and m2 to have the same dtype"); not traced further.
 """
 import functools
 
+import deepspeed
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -30,9 +34,7 @@ def decoder_blocks(model: nn.Module):
             if any(isinstance(c, SelfAttention) for c in m.children())]
 
 
-def _checkpointed(forward, *args, **kwargs):
-    import deepspeed
-
+def _checkpointed(forward, partitioned, *args, **kwargs):
     leaves, spec = tree_flatten((args, kwargs))
     # Only activations (tensors that carry gradients) go through the checkpoint; constants such as
     # the rotary tables are closed over: DeepSpeed's partitioned and CPU checkpointing pair each
@@ -45,15 +47,25 @@ def _checkpointed(forward, *args, **kwargs):
             flat[i] = v
         a, kw = tree_unflatten(flat, spec)
         return forward(*a, **kw)
-    return deepspeed.checkpointing.non_reentrant_checkpoint(run, *[leaves[i] for i in slots])
+    activations = [leaves[i] for i in slots]
+    if partitioned:
+        return deepspeed.checkpointing.non_reentrant_checkpoint(run, *activations)
+    return torch.utils.checkpoint.checkpoint(run, *activations, use_reentrant=False)
 
 
 def check(ds_config: dict, source: str = "the DeepSpeed config"):
     """Refuse what our checkpointing cannot run with (before anything is built)."""
-    if (ds_config or {}).get("activation_checkpointing", {}).get("cpu_checkpointing"):
+    section = (ds_config or {}).get("activation_checkpointing", {})
+    if section.get("cpu_checkpointing"):
         raise DrScaleError(f"{source}: activation_checkpointing.cpu_checkpointing=true: DeepSpeed's "
                            f"non-reentrant checkpointing fails with it in the backward pass; set "
                            f"it to false (parallel.activation_checkpointing still applies)")
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
+    if section.get("partition_activations") and stage == 3:
+        raise DrScaleError(f"{source}: activation_checkpointing.partition_activations=true with "
+                           f"ZeRO-3: DeepSpeed's checkpointing, which partitions, recomputes on "
+                           f"parameters ZeRO-3 has released (DeepSpeed issue 4595); set it to "
+                           f"false (parallel.activation_checkpointing still applies) or use ZeRO-1/2")
 
 
 def check_compile(zero_stage: int, checkpointing: str):
@@ -70,12 +82,10 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
     """Wrap the modules `mode` names; returns how many were wrapped."""
     if mode == "none":
         return 0
-    import deepspeed
-
     check(ds_config, source)
-    section = (ds_config or {}).get("activation_checkpointing", {})
-    deepspeed.checkpointing.configure(mpu,
-                                      partition_activations=bool(section.get("partition_activations")),
+    partitioned = bool((ds_config or {}).get("activation_checkpointing", {})
+                       .get("partition_activations"))
+    deepspeed.checkpointing.configure(mpu, partition_activations=partitioned,
                                       checkpoint_in_cpu=False,
                                       contiguous_checkpointing=False, synchronize=False,
                                       profile=False)
@@ -83,7 +93,7 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
     targets = blocks if mode == "full" else [
         c for b in blocks for c in b.children() if isinstance(c, SelfAttention)]
     for m in targets:
-        m.forward = functools.partial(_checkpointed, m.forward)
+        m.forward = functools.partial(_checkpointed, m.forward, partitioned)
     return len(targets)
 
 
