@@ -33,7 +33,7 @@ class GradNormMonitor(Callback):
     def after_backward(self, trainer, step, micro_step):
         if micro_step != trainer.layout["accum"] - 1 or not trainer.will_log(step + 1):
             return  # only at the boundary of a step whose record is written
-        grads = local_grads(trainer.engine)
+        grads = local_grads(trainer.engine, trainer.topology.tensor)
         norms = grad_norms(trainer.engine, grads)
         values, index = norms.topk(min(self.top_k, len(grads)))
         trainer.report("grad_norm_total", norms.pow(2).sum().sqrt())

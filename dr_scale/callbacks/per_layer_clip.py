@@ -35,9 +35,9 @@ def clip_factors(norms: torch.Tensor, max_norm: float, exempt: torch.Tensor) -> 
     return torch.where(exempt, torch.ones_like(factors), factors)
 
 
-def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str]):
+def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str], tensor_parallel: int = 1):
     """Clip this step's reduced gradients in place. Returns (norms, factors), equal on all ranks."""
-    grads = local_grads(engine)
+    grads = local_grads(engine, tensor_parallel)
     norms = grad_norms(engine, grads)
     exempt = torch.tensor(exempt_mask([g.name for g in grads], patterns), device=norms.device)
     factors = clip_factors(norms, max_norm, exempt)
@@ -66,5 +66,6 @@ class PerLayerClip(Callback):
     def after_backward(self, trainer, step, micro_step):
         if micro_step != trainer.layout["accum"] - 1:
             return  # gradients are reduced only at the accumulation boundary
-        _, factors = clip_per_layer_(trainer.engine, self.max_norm, self.exempt)
+        _, factors = clip_per_layer_(trainer.engine, self.max_norm, self.exempt,
+                                      trainer.topology.tensor)
         trainer.report("clipped_params", (factors < 1).sum().float())  # mean over the window

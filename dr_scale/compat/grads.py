@@ -45,9 +45,11 @@ def tensor_parallel_params(engine) -> set:
     return ids
 
 
-def local_grads(engine) -> List[LocalGrad]:
+def local_grads(engine, tensor_parallel: int = 1) -> List[LocalGrad]:
+    """This rank's share of every trainable parameter's gradient; `tensor_parallel` is the
+    Topology's size (the slices of split parameters are then marked)."""
     out = []
-    tp_ids = tensor_parallel_params(engine) if _tp_size(engine) > 1 else set()
+    tp_ids = tensor_parallel_params(engine) if tensor_parallel > 1 else set()
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -72,11 +74,6 @@ def local_grads(engine) -> List[LocalGrad]:
             out.append(LocalGrad(name, None if p.grad is None else p.grad.view(-1), False, None))
         out[-1].tp_sharded = id(p) in tp_ids
     return out
-
-
-def _tp_size(engine) -> int:
-    size = getattr(engine, "autotp_size", None)
-    return size() if callable(size) else 1
 
 
 def _is_fragmented(engine) -> bool:

@@ -20,7 +20,7 @@ import torch
 from dr_scale.errors import DrScaleError
 from dr_scale.models import build_model
 from dr_scale.models.build import ModelShape
-from dr_scale.train.checkpoint import load_ema_state, tensor_ranks
+from dr_scale.train.checkpoint import load_ema_state, saved_topology
 
 
 def run_shape(run_dir: Path) -> ModelShape:
@@ -65,18 +65,18 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
     if list(tag_dir.glob("layer_*-model_*-model_states.pt")):
         return _pipeline_state(tag_dir, shape)
-    ranks = tensor_ranks(tag_dir)
-    if len(ranks) > 1:
-        return _join_tensor_slices([_one_tensor_rank(tag_dir, r, shape) for r in ranks], shape,
-                                   tag_dir)
+    tensor = saved_topology(tag_dir).tensor
+    if tensor > 1:  # DeepSpeed names each tensor rank's files mp_rank_00, mp_rank_01, ...
+        return _join_tensor_slices([_one_tensor_rank(tag_dir, f"{r:02d}", shape)
+                                    for r in range(tensor)], shape, tag_dir)
     return _one_rank_state(ckpt_dir, tag, shape)
 
 
 def ema_state_dict(tag_dir: Path, shape: ModelShape) -> dict:
     """The EMA weights the ema callback saved, joined over tensor ranks like the weights."""
-    tp = max(1, len(tensor_ranks(tag_dir)))
-    slices = [load_ema_state(tag_dir, shape.tie_embeddings, r, tp) for r in range(tp)]
-    return slices[0] if tp == 1 else _join_tensor_slices(slices, shape, tag_dir)
+    topo = saved_topology(tag_dir)
+    slices = [load_ema_state(tag_dir, shape.tie_embeddings, r, topo) for r in range(topo.tensor)]
+    return slices[0] if topo.tensor == 1 else _join_tensor_slices(slices, shape, tag_dir)
 
 
 def _one_rank_state(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict:

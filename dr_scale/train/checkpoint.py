@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dr_scale.errors import DrScaleError
+from dr_scale.parallel.topology import Topology
 
 STATE_FILE = "dr_scale_state_rank{rank}.pt"
 STAGING = ".incoming"
@@ -174,6 +175,12 @@ def saved_parallel_layout(tag_dir: Path) -> tuple:
     return max(1, len(tensor_ranks(tag_dir))), 1
 
 
+def saved_topology(tag_dir: Path) -> Topology:
+    """The layout of the ranks that wrote the checkpoint (export reads slices by it)."""
+    tensor, pipeline = saved_parallel_layout(Path(tag_dir))
+    return Topology(ranks_written(Path(tag_dir)), tensor, pipeline)
+
+
 def tensor_ranks(tag_dir: Path) -> list:
     """The tensor ranks ("00", "01", ...) DeepSpeed's model-states file names hold."""
     return sorted({m.group(1) for f in Path(tag_dir).glob("*_model_states.pt")
@@ -302,7 +309,7 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
 
 
 def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
-                   tensor_parallel: int = 1) -> dict:
+                   topology: Optional[Topology] = None) -> dict:
     """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint; under
     tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
     from dr_scale.callbacks.ema import assemble
@@ -311,7 +318,7 @@ def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
     states = []
     for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
         rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
-        if rank % tensor_parallel != tensor_rank:  # tensor ranks are the fastest-varying
+        if topology is not None and topology.coords(rank)["tensor"] != tensor_rank:
             continue
         cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", {})
         if isinstance(cbs, dict):  # keyed by callback name
