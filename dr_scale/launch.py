@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
-from dr_scale.distributed import (close_distributed, init_distributed, world_size_from_env)
+from dr_scale.data.loader import dataset_types
+from dr_scale.distributed import close_distributed, init_distributed, world_size_from_env
 from dr_scale.errors import DrScaleError, TrainingStopped
 from dr_scale.hardware import bf16_support
 from dr_scale.models import build_model, resolve_shape
@@ -39,6 +40,7 @@ def check_config(args):
     par.check(early_shape, topo, cfg, raw_ds, ds_path)
     dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path))
     build_callbacks(cfg.callbacks, topo.pipeline)
+    dataset_types(cfg.data)
     return cfg, run_dir, init_state, ds_path, raw_ds
 
 

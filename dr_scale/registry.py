@@ -1,4 +1,5 @@
-"""Registries: name -> builder, for models, attention, norms, datasets, schedules, callbacks."""
+"""Registries: name -> builder, for models, datasets, schedules, callbacks (kernels, attention
+included, have theirs in dr_scale.kernels.registry, with devices and precision policies)."""
 from typing import Callable, Dict, Optional
 
 from dr_scale.errors import DrScaleError
@@ -45,8 +46,6 @@ class Registry:
 
 
 MODEL_REGISTRY = Registry("model")
-ATTENTION_REGISTRY = Registry("attention implementation")
-NORM_REGISTRY = Registry("norm")
 DATASET_REGISTRY = Registry("dataset")
 SCHEDULE_REGISTRY = Registry("lr schedule")
 CALLBACK_REGISTRY = Registry("callback")

@@ -14,9 +14,16 @@ import torch.distributed as dist
 from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
+from dr_scale.data.loader import build_sources, resolve_files
+from dr_scale.data.tokenizer import file_sha256
 from dr_scale.distributed import broadcast
 from dr_scale.errors import DrScaleError
+from dr_scale.export.hf import apply_init_from
+from dr_scale.kernels import ops
+from dr_scale.kernels.registry import select
 from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
+from dr_scale.train.checkpoint import convert_to_universal, find_tag, reshard_plan, step_of
+from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import peak_flops
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
@@ -59,8 +66,6 @@ def load_run_config(args):
     cfg = load_config(config_path, args.overrides)
     init_state = None
     if cfg.model.init_from:
-        from dr_scale.export.hf import apply_init_from
-
         init_state = apply_init_from(cfg)
     return cfg, run_dir, init_state
 
@@ -78,9 +83,6 @@ def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
 def plan_resume(ckpt_dir: Path, topo, ds: dict):
     """(step, plan) for --resume; with another number of ranks or ZeRO stage, rank 0 converts the
     checkpoint to DeepSpeed's universal format first (once) and every rank loads that."""
-    from dr_scale.train.checkpoint import (convert_to_universal, find_tag, reshard_plan,
-                                           step_of)
-
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(ds)
     plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
@@ -96,9 +98,6 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
 def prepare_data(cfg, layout, resumed_run_dir=None):
     """Tokenizer + train/held-out streams; local rank 0 builds the first-use cache alone. A
     resumed run must keep its tokenizer."""
-    from dr_scale.data.loader import build_sources, resolve_files
-    from dr_scale.data.tokenizer import file_sha256
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     files = resolve_files(cfg.data) if local_rank == 0 else None
     dist.barrier()
@@ -118,9 +117,6 @@ def prepare_data(cfg, layout, resumed_run_dir=None):
 def select_kernels(shape, model_cfg, device_type: str, precision: str):
     """Settle `model.attention` (auto: the best available) and every op's implementation for this
     process; returns the shape with a concrete attention name and the line that says the choices."""
-    from dr_scale.kernels import ops
-    from dr_scale.kernels.registry import KERNELS, select
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     unknown = sorted(set(model_cfg.kernels) - set(ops.OPS))
     if unknown:
@@ -130,8 +126,6 @@ def select_kernels(shape, model_cfg, device_type: str, precision: str):
     except DrScaleError as e:
         raise DrScaleError(f"model.{e}") from None
     name = shape.attention
-    if name != "auto" and name not in KERNELS["attention"]:  # user-registered: used as named
-        return shape, f"{line}, attention={name}"
     try:
         kernel = select("attention", device_type, dtype, force=None if name == "auto" else name,
                         head_dim=shape.head_dim)
@@ -200,8 +194,6 @@ class StartLine:
     kernels_line: str
 
     def lines(self):
-        from dr_scale.train.engine import describe_optimizer
-
         t, c, layout = self.topo, self.cfg, self.layout
         precision = dsc.precision(self.ds)
         why, warning = dsc.bf16_choice(self.raw_ds, self.bf16, str(self.ds_path))

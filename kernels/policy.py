@@ -3,7 +3,7 @@ reference it must come. Registered with each implementation; checked on every ca
 outside the policy is a one-line error rather than a silently wrong result.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 
@@ -11,6 +11,13 @@ from dr_scale.errors import DrScaleError
 
 FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 _NAMES = {FP32: "fp32", BF16: "bf16", FP16: "fp16", torch.float64: "fp64"}
+
+
+class Tolerance(NamedTuple):
+    """Against the fp32 reference; a NamedTuple so a test reads `.atol`/`.rtol` by name (a
+    positional unpack once swapped the two)."""
+    atol: float
+    rtol: float
 
 
 def dtype_name(dtype) -> str:
@@ -24,7 +31,11 @@ class PrecisionPolicy:
     output: str = "input"                     # the output dtype: that of the inputs
     fp32: Tuple[str, ...] = ()                # what always runs in fp32, whatever the inputs
     # (atol, rtol) against the fp32 reference, per input dtype, outputs and gradients alike
-    tolerance: Dict[torch.dtype, Tuple[float, float]] = field(default_factory=dict)
+    tolerance: Dict[torch.dtype, Tolerance] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tolerance",
+                           {d: Tolerance(*t) for d, t in self.tolerance.items()})
 
     def check(self, op: str, impl: str, *tensors: torch.Tensor):
         dtypes = {t.dtype for t in tensors if t is not None and t.is_floating_point()}
@@ -37,7 +48,7 @@ class PrecisionPolicy:
                 raise DrScaleError(f"kernels.{op}={impl}: {dtype_name(d)} inputs are outside its "
                                    f"precision policy (accepts {allowed})")
 
-    def tol(self, dtype) -> Tuple[float, float]:
+    def tol(self, dtype) -> Tolerance:
         return self.tolerance[dtype]
 
 

@@ -70,6 +70,17 @@ def select(op: str, device_type: str, dtype=None, force: Optional[str] = None, *
     raise DrScaleError(f"kernels.{op}: no implementation runs on {device_type}")
 
 
+def implementation(op: str, name: str) -> Kernel:
+    """The implementation registered under `name` (no availability check: `select` does that
+    once at start); the model resolves `model.attention` here, from the table `auto` picks from."""
+    _load_builtin()
+    impls = KERNELS.get(op, {})
+    if name not in impls:
+        raise DrScaleError(f"unknown {op} implementation '{name}'; known: "
+                           f"{', '.join(sorted(impls))}")
+    return impls[name]
+
+
 def describe(choices: Dict[str, Kernel]) -> str:
     return "kernels: " + ", ".join(f"{op}={k.name}" for op, k in choices.items())
 

@@ -202,3 +202,37 @@ def test_step_sampler_partitions_global_batches_and_resumes():
     assert seen == list(range(4 * micro * accum * dp))  # every position once, none twice
     resumed = list(StepBatchSampler(micro, accum, dp, 1, 2, 4))
     assert resumed == per_rank[1][2 * accum:]
+
+
+def test_dataset_type_picks_the_registered_builder(tmp_path, tokenizer):
+    """`data.datasets[].type` builds each dataset with the class registered under that name (here
+    one made in the test: packed samples, reversed); an unknown type is one line, before any
+    file is read."""
+    from dr_scale.config import load_config
+    from dr_scale.data.loader import build_sources, resolve_files
+    from dr_scale.registry import DATASET_REGISTRY
+
+    @DATASET_REGISTRY.register("reversed_for_test")
+    class Reversed(PackedSequenceDataset):
+        def __getitem__(self, i):
+            return super().__getitem__(i)[::-1].copy()
+
+    preprocess([_jsonl(tmp_path, TEXT)], tokenizer, tmp_path / "c", progress=False)
+
+    def sources(kind):
+        cfg = load_config(None, [f"data.tokenizer={tokenizer.path}", "data.seq_length=16",
+                                 f"data.datasets=[{{prefix: {tmp_path / 'c'}, type: {kind}}}]"])
+        tok, specs = resolve_files(cfg.data)
+        return build_sources(cfg.data, 0, 8, 4, tok, specs)
+
+    try:
+        packed, reversed_ = sources("packed"), sources("reversed_for_test")
+        for i in range(8):
+            np.testing.assert_array_equal(np.asarray(reversed_.train[i]),
+                                          np.asarray(packed.train[i])[::-1])
+        assert not np.array_equal(np.asarray(reversed_.train[0]), np.asarray(packed.train[0]))
+        with pytest.raises(DrScaleError, match=r"^data\.datasets\[0\]\.type: unknown dataset 'pakced'; "
+                                               r"known: packed, reversed_for_test$"):
+            sources("pakced")
+    finally:
+        DATASET_REGISTRY._items.pop("reversed_for_test")  # the test's own type only

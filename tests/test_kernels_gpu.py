@@ -13,7 +13,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def close(got, want, dtype, pol, what):
-    atol, rtol = pol.tol(dtype)
+    atol, rtol = pol.tol(dtype).atol, pol.tol(dtype).rtol
     if dtype == torch.float32:  # Triton's fp32 tl.dot is TF32 on the GPU
         atol, rtol = max(atol, 2e-3), max(rtol, 2e-3)
     scale = want.abs().max().item()

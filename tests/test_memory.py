@@ -35,6 +35,14 @@ def test_monitor_samples_and_plots(tmp_path):
     assert rss[-1] - rss[0] >= 50 * 2**20
     img = matplotlib.image.imread(mon.plot(tmp_path / "m.png"))
     assert img.shape[0] > 100 and img.shape[1] > 100
+    # What is drawn: one line per rank, the samples in MiB against their steps.
+    fig = mon.figure({0: mon.samples, 1: mon.samples[:2]})
+    (ax,) = fig.axes
+    lines = ax.get_lines()
+    assert [l.get_label() for l in lines] == ["rank 0", "rank 1"]
+    assert list(lines[0].get_xdata()) == [0, 1, 2, 3]
+    assert list(lines[0].get_ydata()) == [r / 2**20 for r in rss]
+    assert list(lines[1].get_ydata()) == [r / 2**20 for r in rss[:2]]
 
 
 def test_monitor_and_alert_in_a_run(cache_dir, tmp_path):

@@ -72,6 +72,18 @@ def test_readme_main_job(cache_dir, tmp_path):
 
     img = matplotlib.image.imread(run / "curves.png")
     assert img.shape[0] > 200 and img.shape[1] > 400
+    # What is drawn: the train and held-out losses and tokens/s of metrics.jsonl, step by step.
+    from dr_scale.train.metrics import read_metrics
+    from dr_scale.train.plot import draw_curves
+
+    recs = read_metrics(run / "metrics.jsonl")
+    loss_ax, tput_ax = draw_curves(recs).axes
+    train_line, eval_line = loss_ax.get_lines()
+    train = [r for r in recs if "loss" in r]
+    assert list(train_line.get_xdata()) == [r["step"] for r in train] and len(train) >= 10
+    assert list(train_line.get_ydata()) == [r["loss"] for r in train]
+    assert list(eval_line.get_ydata()) == [r["eval_loss"] for r in recs if "eval_loss" in r]
+    assert list(tput_ax.get_lines()[0].get_ydata()) == [r["tokens_per_s"] for r in train]
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -71,7 +71,16 @@ class MemoryMonitor:
         return rec
 
     def plot(self, path, samples_by_rank=None) -> Path:
-        """memory over steps: host RSS (and accelerator memory on a GPU), one line per rank."""
+        import matplotlib.pyplot as plt
+
+        fig = self.figure(samples_by_rank)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return Path(path)
+
+    def figure(self, samples_by_rank=None):
+        """memory over steps: host RSS in MiB (and accelerator memory on a GPU, a second axes),
+        one line per rank in rank order."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -92,9 +101,7 @@ class MemoryMonitor:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return Path(path)
+        return fig
 
 
 @dataclass

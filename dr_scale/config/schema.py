@@ -21,7 +21,8 @@ class ModelConfig(Section):
     tie_embeddings: Optional[bool] = None
     norm_eps: Optional[float] = field(None, min=0.0)
     rope_theta: Optional[float] = field(None, min=1.0)
-    attention: str = field("sdpa", help="name in ATTENTION_REGISTRY, or auto (best available)")
+    attention: str = field("sdpa", help="an attention kernel (sdpa, eager, triton_flash, ...), or "
+                           "auto (best available)")
     kernels: Dict[str, str] = field(factory=dict, help="op -> implementation (default auto): "
                                     "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")
     dropout: float = field(0.0, min=0.0, max=1.0)
@@ -36,6 +37,7 @@ class ModelConfig(Section):
 class DatasetSpec(Section):
     prefix: str = field(help="path of a .bin/.idx pair without the extension")
     weight: float = field(1.0, min=0.0)
+    type: str = field("packed", help="how documents become samples: a name in DATASET_REGISTRY")
 
 
 @dataclass

@@ -5,10 +5,11 @@ from typing import Iterator, List
 import torch
 
 from dr_scale.data.corpus import bundled_data
-from dr_scale.data.dataset import PackedSequenceDataset, SampleStream, split_documents
+from dr_scale.data.dataset import SampleStream, split_documents
 from dr_scale.data.indexed import IndexedDataset
 from dr_scale.data.tokenizer import Tokenizer
 from dr_scale.errors import DrScaleError
+from dr_scale.registry import DATASET_REGISTRY
 
 
 @dataclass
@@ -18,16 +19,28 @@ class DataSources:
     valid: SampleStream
 
 
+def dataset_types(data_cfg):
+    """Each configured dataset's builder, by `type` (checked before anything is read)."""
+    out = []
+    for i, d in enumerate(data_cfg.datasets):
+        try:
+            out.append(DATASET_REGISTRY.get(d.type))
+        except DrScaleError as e:
+            raise DrScaleError(f"data.datasets[{i}].type: {e}") from None
+    return out
+
+
 def resolve_files(data_cfg):
-    """(tokenizer path, [(prefix, weight)]): the configured ones or the bundled corpus."""
+    """(tokenizer path, [(prefix, weight, type)]): the configured ones or the bundled corpus."""
     if data_cfg.datasets:
         if data_cfg.tokenizer is None:
             raise DrScaleError("data.tokenizer: required when data.datasets is set (the "
                                "tokenizer the datasets were made with)")
-        return data_cfg.tokenizer, [(d.prefix, d.weight) for d in data_cfg.datasets]
+        dataset_types(data_cfg)
+        return data_cfg.tokenizer, [(d.prefix, d.weight, d.type) for d in data_cfg.datasets]
     tok, prefix = bundled_data(data_cfg.cache_dir, data_cfg.tokenizer_vocab_size,
                                data_cfg.tokenizer)
-    return tok, [(str(prefix), 1.0)]
+    return tok, [(str(prefix), 1.0, "packed")]
 
 
 def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
@@ -36,16 +49,17 @@ def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
         tokenizer_path, specs = resolve_files(data_cfg)
     tokenizer = Tokenizer(tokenizer_path)
     train_sets, valid_sets, weights, valid_weights = [], [], [], []
-    for prefix, weight in specs:
+    for prefix, weight, kind in specs:
+        make = DATASET_REGISTRY.get(kind)  # builder(indexed, doc ids, seq_length, seed, name)
         indexed = IndexedDataset(prefix)
         indexed.check_tokenizer(tokenizer)
         train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, seed, prefix)
-        train_sets.append(PackedSequenceDataset(indexed, train_ids, data_cfg.seq_length, seed,
-                                                f"{prefix} (train split)"))
+        train_sets.append(make(indexed, train_ids, data_cfg.seq_length, seed,
+                               f"{prefix} (train split)"))
         weights.append(weight)
         if len(valid_ids):
-            valid_sets.append(PackedSequenceDataset(indexed, valid_ids, data_cfg.seq_length, seed,
-                                                    f"{prefix} (held-out split)"))
+            valid_sets.append(make(indexed, valid_ids, data_cfg.seq_length, seed,
+                                   f"{prefix} (held-out split)"))
             valid_weights.append(weight)
     if not valid_sets:
         raise DrScaleError("data.valid_fraction: 0 leaves no held-out split to evaluate on; "

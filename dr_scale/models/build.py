@@ -7,7 +7,8 @@ import torch
 
 from dr_scale.errors import DrScaleError
 from dr_scale.models.spec import ModelSpec
-from dr_scale.registry import ATTENTION_REGISTRY, MODEL_REGISTRY
+from dr_scale.kernels.registry import implementation
+from dr_scale.registry import MODEL_REGISTRY
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
         raise DrScaleError(f"{source}: head dim {shape.head_dim} must be even for rotary embeddings")
     if shape.attention != "auto":  # auto is settled at start, once the device is known
         try:
-            ATTENTION_REGISTRY.get(shape.attention)
+            implementation("attention", shape.attention)
         except DrScaleError as e:
             raise DrScaleError(f"{source}.attention: {e}") from None
     return shape

@@ -5,11 +5,11 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from dr_scale.errors import DrScaleError
 from dr_scale.kernels import ops, reference
-from dr_scale.registry import ATTENTION_REGISTRY, NORM_REGISTRY
+from dr_scale.kernels.registry import implementation
 
 
-@NORM_REGISTRY.register("rmsnorm")
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -20,7 +20,6 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-@NORM_REGISTRY.register("layernorm")
 class LayerNorm(nn.LayerNorm):
     def forward(self, x):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
@@ -51,7 +50,9 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=bias if out_bias is None else out_bias)
-        self.attend = ATTENTION_REGISTRY.get(shape.attention)
+        # `auto` is settled at start (run_setup.select_kernels) from the same table
+        self.attend = None if shape.attention == "auto" else implementation("attention",
+                                                                            shape.attention)
         self.dropout = shape.dropout
 
     def forward(self, x, rotary=None):
@@ -66,6 +67,9 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             cos, sin = rotary
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        if self.attend is None:
+            raise DrScaleError("model.attention=auto: settle it (run_setup.select_kernels) "
+                               "before building a model to run")
         out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -5,13 +5,23 @@ from dr_scale.train.metrics import read_metrics
 
 
 def plot_curves(run_dir) -> Path:
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    fig = draw_curves(read_metrics(run_dir / "metrics.jsonl"), title=run_dir.name)
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def draw_curves(recs, title=""):
+    """The figure: axes[0] train loss (line 0) and held-out loss (line 1), axes[1] tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    recs = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in recs if "loss" in r]
     evals = [r for r in recs if "eval_loss" in r]
     fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
@@ -27,9 +37,6 @@ def plot_curves(run_dir) -> Path:
         ax_tput.plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
     ax_tput.set(xlabel="step", ylabel="tokens/s (all ranks)", title="Throughput")
     ax_tput.grid(alpha=0.3)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(title)
     fig.tight_layout()
-    out = run_dir / "curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
