@@ -32,7 +32,7 @@ def main():
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dr_scale import ds_config as dsc
+    from dr_scale import comm, ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.hardware import bf16_support
     from dr_scale.distributed import init_distributed
@@ -67,7 +67,7 @@ def main():
     t0 = None
     for step in range(a.steps):
         if step == a.warmup:
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
         for _ in range(layout["accum"]):
             x = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g)
@@ -77,17 +77,17 @@ def main():
             engine.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    dist.barrier()
+    comm.barrier()
     seconds = time.perf_counter() - t0
     mem = torch.tensor([peak_memory_bytes(device.type)], dtype=torch.float64)
-    dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+    comm.all_reduce(mem, "max")  # placed where the group serves it (NCCL: the GPU)
     if dist.get_rank() == 0:
         measured = a.steps - a.warmup
         with open(a.out, "w") as f:
             json.dump({"tokens_per_s": measured * tokens_per_step / seconds,
                        "step_time_s": seconds / measured, "mem_peak_bytes": int(mem.item()),
                        "loss": float(loss)}, f)
-    dist.barrier()
+    comm.barrier()
     dist.destroy_process_group()
 
 

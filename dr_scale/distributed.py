@@ -7,6 +7,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -36,10 +38,7 @@ def init_distributed():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
                       os.environ.get("WORLD_SIZE", "1"))
     if acc.device_name() == "cpu":
-        # Ranks share the cores: more threads than cores per rank makes gloo steps erratic.
-        threads = int(os.environ.get("DR_SCALE_THREADS_PER_RANK", 0)) or \
-            max(1, (os.cpu_count() or 1) // max(1, local_world))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(cpu_threads(local_world))
         device = torch.device("cpu")
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -48,13 +47,33 @@ def init_distributed():
     return device, local_world
 
 
+def cpu_threads(local_world: int) -> int:
+    """Threads per CPU rank: DR_SCALE_THREADS_PER_RANK, else OMP_NUM_THREADS when the user (or
+    torchrun's default of 1) set it, else cores / ranks on this node (ranks share the cores;
+    more threads than cores makes gloo steps erratic)."""
+    for var in ("DR_SCALE_THREADS_PER_RANK", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def threads_note(local_world: int) -> str:
+    """Where cpu_threads' figure came from, for the start line."""
+    for var in ("DR_SCALE_THREADS_PER_RANK", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return f"{var}={value}"
+    return f"{os.cpu_count()} cores / {local_world} rank(s) on this node"
+
+
 def release_shm_names():
     """DeepSpeed's CPU comm op maps a 66 MB /dev/shm buffer per rank (for inference all-reduce)
     and never unlinks it, so every run used to leave its buffers behind until /dev/shm filled
     and later runs crashed or hung. Once every rank has mapped its peers' buffers (the barrier),
     the names can go: the mappings live on and the memory is freed when the ranks exit, SIGKILL
     included."""
-    dist.barrier()
+    comm.barrier()
     if os.environ.get("LOCAL_RANK", "0") == "0":
         addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
         for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
@@ -62,14 +81,7 @@ def release_shm_names():
                 os.unlink(path)
             except OSError:
                 pass
-    dist.barrier()
-
-
-def broadcast(obj):
-    """Rank 0's `obj` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    comm.barrier()
 
 
 def close_distributed():
@@ -77,5 +89,5 @@ def close_distributed():
     while its peer is mid-exit can abort in C++ ("terminate called without an active
     exception"), turning a clean stop into a crash code."""
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
         dist.destroy_process_group()

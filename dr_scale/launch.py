@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.data.loader import dataset_types
@@ -75,13 +76,13 @@ def run(args):
 
         load_into(model, init_state, cfg.model.init_from)
     del init_state
-    facts = run_facts(model, shape, cfg, precision, device)
+    facts = run_facts(model, shape, cfg, precision, device, layout, topo)
     parallel = par.parallelize(model, shape, topo, cfg, ds, ds_path)               # parallelize
 
     if topo.rank == 0:
         write_run_snapshot(run_dir, args.resume, cfg, parallel.ds, topo, local_world, device,
                            shape, facts, sources, layout)
-    dist.barrier()
+    comm.barrier()
     logger = MetricsLogger(run_dir, cfg.logging, cfg.train.max_steps, enabled=topo.rank == 0,
                            run_name=run_dir.name, resume_step=resume_step)
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,

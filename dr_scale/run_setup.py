@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.loader import build_sources, resolve_files
 from dr_scale.data.tokenizer import file_sha256
-from dr_scale.distributed import broadcast
+from dr_scale.distributed import threads_note
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
 from dr_scale.kernels import ops
@@ -24,7 +25,7 @@ from dr_scale.kernels.registry import select
 from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
 from dr_scale.train.checkpoint import convert_to_universal, find_tag, reshard_plan, step_of
 from dr_scale.train.engine import describe_optimizer
-from dr_scale.train.peak_flops import peak_flops
+from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
          "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
@@ -72,7 +73,7 @@ def load_run_config(args):
 
 def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
     if run_dir is None:  # one timestamp for all ranks
-        run_dir = Path(cfg.run_dir or broadcast(time.strftime("runs/%Y%m%d-%H%M%S")))
+        run_dir = Path(cfg.run_dir or comm.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S")))
     run_dir = run_dir.resolve()
     if not resume and (run_dir / "checkpoints").exists():
         raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
@@ -91,7 +92,7 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
             print(f"dr_scale: resharding {ckpt_dir / tag} for {topo.world} rank(s) at ZeRO-"
                   f"{stage} (DeepSpeed universal checkpoint)", flush=True)
             convert_to_universal(ckpt_dir, tag, stage, topo.world)
-        dist.barrier()
+        comm.barrier()
     return step_of(tag), plan
 
 
@@ -100,7 +101,7 @@ def prepare_data(cfg, layout, resumed_run_dir=None):
     resumed run must keep its tokenizer."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     files = resolve_files(cfg.data) if local_rank == 0 else None
-    dist.barrier()
+    comm.barrier()
     if files is None:
         files = resolve_files(cfg.data)
     t = cfg.train
@@ -142,17 +143,17 @@ class RunFacts:
     parameters: int
     flops_per_token: float
     hardware_flops_per_token: float
-    peak_flops: float
-    peak_source: str
+    peak: Peak
 
 
-def run_facts(model, shape, cfg, precision: str, device) -> RunFacts:
+def run_facts(model, shape, cfg, precision: str, device, layout, topo) -> RunFacts:
+    """Counted from the shape; the peak measured now on CPU (before any data worker starts),
+    at this rank's largest matmul of a micro-batch."""
     seq, p = cfg.data.seq_length, cfg.parallel
     fpt = flops_per_token(shape, seq)
     hw = fpt + recompute_flops_per_token(shape, seq, p.activation_checkpointing, p.checkpoint_every)
-    peak, source = peak_flops(precision, device.type,
-                              torch.cuda.get_device_name() if device.type == "cuda" else "")
-    return RunFacts(count_parameters(model), fpt, hw, peak, source)
+    gemm = largest_gemm(shape, layout["micro"] * seq, topo.tensor)
+    return RunFacts(count_parameters(model), fpt, hw, peak_flops(precision, device, gemm))
 
 
 def write_run_snapshot(run_dir: Path, resume: bool, cfg, ds, topo, local_world, device, shape,
@@ -170,7 +171,7 @@ def write_run_snapshot(run_dir: Path, resume: bool, cfg, ds, topo, local_world, 
                  "tokenizer_sha256": sources.tokenizer.sha256,
                  "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
                               for d, w in zip(sources.train.datasets, sources.train.weights)]},
-        "batch": layout, "peak_flops": {"value": facts.peak_flops, "source": facts.peak_source}})
+        "batch": layout, "peak_flops": {"value": facts.peak.value, "source": facts.peak.source}})
     if not resume:
         shutil.copyfile(sources.tokenizer.path, run_dir / "tokenizer.model")
 
@@ -207,6 +208,10 @@ class StartLine:
             yield warning
         yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {self.kernels_line}; "
                f"{describe_optimizer(self.ds, c.train)}")
+        threads = (f"; {torch.get_num_threads()} thread(s) per rank ({threads_note(self.local_world)})"
+                   if self.device.type == "cpu" else "")
+        yield f"peak (MFU's denominator): {self.facts.peak.value / 1e12:.3f} TFLOP/s per rank, " \
+              f"{self.facts.peak.source}{threads}"
 
 
 def lm_head_note(topo, parallel_cfg) -> str:

@@ -51,8 +51,8 @@ def run_group(cmd, env, timeout):
 def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed"):
     """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks; a
     launch past `timeout` is killed with all its ranks and fails the test."""
-    env = dict(os.environ, DR_SCALE_CACHE=str(cache), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache), PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)  # threads per rank: cores / ranks, whatever the shell has
     if launcher == "deepspeed":
         cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                str(PRETRAIN), *map(str, args)]

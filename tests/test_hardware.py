@@ -83,3 +83,24 @@ def test_bad_bf16_value_is_one_line(tmp_path):
     with pytest.raises(DrScaleError, match=r"ds\.json: bf16\.enabled: expected true, false or "
                                            r"\"auto\", got 'yes'$"):
         dsc.load(str(p), load_config(), dp_size=1)
+
+
+def test_threads_per_rank_respect_the_environment(monkeypatch):
+    """OMP_NUM_THREADS (set by the user, or torchrun's default of 1) is obeyed; cores / ranks
+    only when it is unset; DR_SCALE_THREADS_PER_RANK overrides both."""
+    import os
+
+    from dr_scale.distributed import cpu_threads, threads_note
+
+    monkeypatch.delenv("DR_SCALE_THREADS_PER_RANK", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = os.cpu_count()
+    assert cpu_threads(1) == cores and cpu_threads(2 * cores) == 1
+    assert threads_note(2) == f"{cores} cores / 2 rank(s) on this node"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3 and threads_note(2) == "OMP_NUM_THREADS=3"
+    monkeypatch.setenv("DR_SCALE_THREADS_PER_RANK", "5")
+    assert cpu_threads(2) == 5 and threads_note(2) == "DR_SCALE_THREADS_PER_RANK=5"
+    monkeypatch.setenv("DR_SCALE_THREADS_PER_RANK", "")
+    monkeypatch.setenv("OMP_NUM_THREADS", "garbage")  # not a count: cores / ranks
+    assert cpu_threads(1) == cores

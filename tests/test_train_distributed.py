@@ -1,6 +1,7 @@
 """Real DeepSpeed engines on 2 CPU ranks over gloo, through the real launchers."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ def test_readme_main_job(cache_dir, tmp_path):
 
     run = tmp_path / "run"
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir))
+    env.pop("OMP_NUM_THREADS", None)
     proc = subprocess.run(["deepspeed", "--master_port", str(free_port()), str(PRETRAIN),
                            "--ds_config", "zero3.json", "--run_dir", str(run),
                            "--stop_at_step", "100"],
@@ -44,6 +46,12 @@ def test_readme_main_job(cache_dir, tmp_path):
     precision = "bf16" if bf16.native else "fp32"
     assert "dr_scale: 1 rank(s)" in proc.stdout
     assert f"ZeRO-3, {precision} (bf16 \"auto\": {bf16.why})" in proc.stdout
+    # MFU's denominator, said at start: measured in the run's dtype at its largest GEMM (8 x 256
+    # tokens x hidden 256 x vocabulary 4096); threads from the cores when OMP_NUM_THREADS is unset
+    assert re.search(rf"peak \(MFU's denominator\): [0-9.]+ TFLOP/s per rank, measured "
+                     rf"{precision} matmul 2048x256x4096", proc.stdout)
+    threads = os.cpu_count()
+    assert f"{threads} thread(s) per rank ({threads} cores / 1 rank(s) on this node)" in proc.stdout
     ev = evals(run)
     assert [r["step"] for r in ev] == [0, 100]
     assert ev[-1]["eval_loss"] <= 0.6 * ev[0]["eval_loss"], ev
@@ -152,6 +160,7 @@ def test_launchers_and_two_nodes_give_the_same_losses(cache_dir, tmp_path):
                            str(PRETRAIN), "--run_dir", str(tmp_path / "tr"), *args],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 thread(s) per rank (OMP_NUM_THREADS=1)" in proc.stdout  # set, so respected
     a = [r["loss"] for r in records(tmp_path / "ds") if "loss" in r]
     b = [r["loss"] for r in records(tmp_path / "tr") if "loss" in r]
     assert len(a) == 4 and a == b

@@ -16,6 +16,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale.callbacks.base import Callback
 from dr_scale.config.typed import Section, field
 from dr_scale.errors import DrScaleError
@@ -127,8 +128,7 @@ class MemoryMonitorCallback(Callback):
             self.monitor.sample(step)
 
     def on_exit(self, trainer):
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.monitor.samples)
+        gathered = comm.all_gather_object(self.monitor.samples)
         if dist.get_rank() == 0:
             out = self.monitor.plot(trainer.run_dir / "memory.png", dict(enumerate(gathered)))
             trainer.logger.info(f"wrote {out}")

@@ -14,8 +14,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale.callbacks.base import Callback
 from dr_scale.config.typed import Section, field
 from dr_scale.errors import TrainingStopped
@@ -97,13 +97,13 @@ class NanGuard(Callback):
             if self.outputs is not None:
                 self.outputs.flags.zero_()
             return
-        dist.all_reduce(self.bad, op=dist.ReduceOp.MAX)
+        comm.all_reduce(self.bad, "max")
         flags = self.bad.tolist()
         first = next((self.names[i] for i, f in enumerate(flags[:-1]) if f), None)
         what = ("non-finite loss" if flags[-1] else "non-finite gradient") + \
             (f", first non-finite gradient: {first}" if first else "")
         if self.outputs is not None:
-            dist.all_reduce(self.outputs.flags, op=dist.ReduceOp.MAX)
+            comm.all_reduce(self.outputs.flags, "max")
             module = self.outputs.first()
             what += f", first non-finite output: {module}" if module else ""
             self.outputs.flags.zero_()

@@ -19,6 +19,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
+
 
 @dataclass
 class LocalGrad:
@@ -101,13 +103,13 @@ def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
         if dist.get_rank(group=group) != 0:
             whole = [i for i, g in enumerate(grads) if not g.partitioned]
             sq[whole] = 0
-        dist.all_reduce(sq, group=group)
+        comm.all_reduce(sq, group=group)
     sharded = [i for i, g in enumerate(grads) if g.tp_sharded]
     if sharded:  # each tensor-parallel rank holds a different slice of these
         from deepspeed.utils import groups
 
         part = sq[sharded].clone()
-        dist.all_reduce(part, group=groups.get_tensor_model_parallel_group())
+        comm.all_reduce(part, group=groups.get_tensor_model_parallel_group())
         sq[sharded] = part
     return sq.sqrt() / loss_scale(engine)
 

@@ -10,6 +10,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale.compat.grads import data_parallel_group
 
 
@@ -85,5 +86,5 @@ def write_values(engine, shards: List[Shard], values: List[torch.Tensor]):
         if entry is not None:
             full.narrow(0, entry[0].start, entry[0].numel).copy_(entry[1])
         if gather:  # fragments are disjoint across the data-parallel group: their sum is p
-            dist.all_reduce(full, group=data_parallel_group(engine))
+            comm.all_reduce(full, group=data_parallel_group(engine))
         p.data.copy_(full.view_as(p))

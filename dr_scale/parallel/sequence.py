@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dr_scale import comm
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
 
@@ -37,18 +38,17 @@ def _chunk(x, group):
 
 def _all_gather(x, group):
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    comm.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=SEQ)
 
 
 def _reduce_scatter(x, group):
     if dist.get_backend(group) == "gloo":
-        x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        x = comm.all_reduce(x.contiguous(), group=group)
         return _chunk(x, group)
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim=SEQ)]
     out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    comm.reduce_scatter(out, parts, group=group)
     return out
 
 
@@ -106,9 +106,7 @@ def _row_forward(layer):
 
 def _sum_over(group):
     def hook(grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad
+        return comm.all_reduce(grad.contiguous(), group=group)
     return hook
 
 

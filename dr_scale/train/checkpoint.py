@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dr_scale import comm
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
 
@@ -97,7 +98,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, keep_last: int = 0) -> 
     state_path = staging / tag / STATE_FILE.format(rank=rank)
     torch.save(state, state_path)
     _fsync_file(state_path)
-    dist.barrier()  # every rank's files are written
+    comm.barrier()  # every rank's files are written
     final = ckpt_dir / tag
     if rank == 0:
         for f in (staging / tag).rglob("*"):
@@ -118,7 +119,7 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, keep_last: int = 0) -> 
             for old in complete_tags(ckpt_dir)[:-keep_last]:
                 if old != tag:
                     shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    dist.barrier()
+    comm.barrier()
     return final
 
 

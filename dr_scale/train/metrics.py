@@ -28,10 +28,10 @@ def console_line(rec: dict, max_steps: int) -> str:
         ema = f" | EMA loss {rec['ema_eval_loss']:.4f}" if "ema_eval_loss" in rec else ""
         return (f"eval  step {rec['step']:>6}/{max_steps} | loss {rec['eval_loss']:.4f} | "
                 f"ppl {rec['eval_ppl']:.2f}{ema}")
+    mfu = f"MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else "MFU n/a (peak unreliable)"
     return (f"train step {rec['step']:>6}/{max_steps} | loss {rec['loss']:.4f} | "
             f"lr {rec['lr']:.3e} | {rec['tokens_per_s']:,.0f} tok/s | "
-            f"{rec['tflops']:.3f} TFLOP/s | MFU {100 * rec['mfu']:.1f}% | "
-            f"mem {format_bytes(rec['mem_peak_bytes'])}"
+            f"{rec['tflops']:.3f} TFLOP/s | {mfu} | mem {format_bytes(rec['mem_peak_bytes'])}"
             + (f" | grad norm {rec['grad_norm']:.3f}" if "grad_norm" in rec else "")
             + (f" | clipped {rec['clipped_params']:.1f}" if "clipped_params" in rec else ""))
 

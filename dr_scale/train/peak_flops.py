@@ -1,45 +1,195 @@
-"""Peak FLOP/s per rank, the denominator of MFU: a table for known GPUs; on CPU, a matmul
-measured in this process with the threads this rank has (so MFU compares like with like)."""
+"""Peak FLOP/s per rank, the denominator of MFU, and where it came from (said on the start line).
+
+GPU: the vendor's dense (no sparsity) figure for the exact part, read from the device name; a
+part not in the table measures a large matmul on itself. CPU: no datasheet fits a shared,
+throttling, 2-core machine, so the peak is measured in this process, in the run's dtype, at the
+model's largest GEMM shape, best of several tries, and cached per CPU model, threads, dtype and
+shape (a later run on the same machine starts at once and compares like with like).
+
+A measured peak can come out low (another process had the cores that moment): MFU above 100% is
+then impossible, so the trainer re-measures (`remeasure`) and, if it still cannot be true, reports
+the peak as unreliable instead of printing the figure.
+"""
+import json
+import os
+import re
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
-# Dense (no sparsity) peak, TFLOP/s, from the vendors' datasheets (SXM parts).
-GPU_PEAK_TFLOPS = {
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "tf32": 156.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0, "tf32": 494.0},
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0, "tf32": 494.0},
-}
+from dr_scale.hardware import cpu_flags
+
+# Dense TFLOP/s by part, from the vendors' datasheets: (patterns all in the lowercased device
+# name, {precision: TFLOP/s}). First match wins, so a part precedes the parts its name contains
+# (H100 NVL before H100, L40S before L4, A100 before A10). fp32 is the non-tensor-core figure
+# (torch's default matmul precision); missing precisions are measured.
+_H100 = {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0}
+GPU_PEAKS = (
+    (("gb200",), {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0}),
+    (("b200",), {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0}),
+    (("b100",), {"bf16": 1800.0, "fp16": 1800.0, "fp8": 3500.0}),
+    (("h200", "nvl"), {"bf16": 836.0, "fp16": 836.0, "fp8": 1671.0, "fp32": 60.0}),
+    (("h200",), _H100),
+    (("h100", "nvl"), {"bf16": 835.0, "fp16": 835.0, "fp8": 1670.0, "fp32": 60.0}),
+    (("h100", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0}),
+    (("h100",), _H100),                                   # SXM: "NVIDIA H100 80GB HBM3"
+    (("h800", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0}),
+    (("h800",), _H100),
+    (("h20",), {"bf16": 148.0, "fp16": 148.0, "fp8": 296.0, "fp32": 44.0}),
+    (("a100",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    (("a800",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    (("a40",), {"bf16": 149.7, "fp16": 149.7, "fp32": 37.4}),
+    (("a30",), {"bf16": 165.0, "fp16": 165.0, "fp32": 10.3}),
+    (("l40s",), {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 91.6}),
+    (("l40",), {"bf16": 181.0, "fp16": 181.0, "fp8": 362.0, "fp32": 90.5}),
+    (("l4",), {"bf16": 121.0, "fp16": 121.0, "fp8": 242.0, "fp32": 30.3}),
+    (("a10g",), None),                                     # cloud part, no public datasheet
+    (("a10",), {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CPU_TRIES = 5
 
 
-def gpu_peak(device_name: str, precision: str):
-    for key, table in GPU_PEAK_TFLOPS.items():
-        if key in device_name.upper():
-            return table.get(precision, table["bf16"]) * 1e12
+def datasheet_peak(device_name: str, precision: str) -> Optional[float]:
+    """FLOP/s for this exact part and precision, or None (not in the table)."""
+    words = device_name.lower()
+    for patterns, table in GPU_PEAKS:
+        if all(re.search(rf"(?<![0-9a-z]){p}(?![0-9a-z])", words) for p in patterns):
+            return table[precision] * 1e12 if table and precision in table else None
     return None
 
 
-def measure_matmul_flops(precision: str = "bf16", n: int = 1024, seconds: float = 0.5,
-                         device: str = "cpu") -> float:
-    """Best FLOP/s of an n x n matmul in ``precision`` over about ``seconds``."""
+def measure_matmul(m: int, k: int, n: int, precision: str, device: str = "cpu",
+                   tries: int = CPU_TRIES, min_seconds: float = 0.05) -> float:
+    """Best FLOP/s of an (m x k) @ (k x n) matmul over `tries` timed runs (each repeated until
+    it lasts `min_seconds`), after a warm-up."""
     dtype = _DTYPES.get(precision, torch.float32)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)  # warm up (packing, thread pool)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    best = 0.0
+    for _ in range(tries):
+        reps, t0 = 0, time.perf_counter()
+        while True:
+            torch.matmul(a, b)
+            reps += 1
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= min_seconds:
+                break
+        best = max(best, 2.0 * m * k * n * reps / elapsed)
     return best
 
 
-def peak_flops(precision: str, device_type: str, device_name: str = ""):
-    """(FLOP/s, where it came from)."""
-    if device_type == "cuda":
-        peak = gpu_peak(device_name, precision)
-        if peak:
-            return peak, f"datasheet {device_name} {precision}"
-    return measure_matmul_flops(precision), f"measured {precision} matmul, {torch.get_num_threads()} threads"
+def largest_gemm(shape, tokens: int, tensor_parallel: int = 1) -> Tuple[int, int, int]:
+    """(m, k, n) of the model's largest matmul on one rank: the LM head or the MLP's up
+    projection, over the micro-batch's tokens (columns split across the tensor group)."""
+    n = max(shape.vocab_size, shape.ffn_hidden_size) // max(1, tensor_parallel)
+    return tokens, shape.hidden_size, max(1, n)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("DR_SCALE_CACHE") or "~/.cache/dr_scale"
+    return Path(root).expanduser() / "cpu_peaks.json"
+
+
+def _cpu_key(precision: str, gemm) -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    model = next((line.split(":", 1)[1].strip() for line in lines
+                  if line.startswith("model name")), "unknown cpu")
+    bf16 = "+".join(sorted(f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags())) or "none"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return (f"{model} | bf16 {bf16}{f' | isa {isa}' if isa else ''} | "
+            f"{torch.get_num_threads()} threads | {precision} | {_dims(gemm)}")
+
+
+def _dims(gemm) -> str:
+    return "x".join(map(str, gemm))
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}  # absent or damaged: measured again and rewritten
+
+
+def _store(key: str, peak: float) -> float:
+    """Keep the higher of the cached and the new figure under `key`; returns the kept one."""
+    cache = _read_cache()
+    peak = max(peak, cache.get(key, 0.0))
+    cache[key] = peak
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1) + "\n")
+        os.replace(tmp, path)  # ranks measuring at once never leave a torn file
+    except OSError:
+        pass  # an unwritable cache only costs the measurement next time
+    return peak
+
+
+@dataclass
+class Peak:
+    """This rank's peak FLOP/s, where it came from, and how to measure it again."""
+    value: float
+    source: str
+    precision: str
+    gemm: Tuple[int, int, int]
+    device: str = "cpu"
+    measured: bool = True       # False: a datasheet figure
+    remeasured: bool = False
+    unreliable: bool = False    # an impossible utilisation survived a re-measurement
+
+    def check(self, utilisation: float) -> bool:
+        """Whether `utilisation` (achieved / peak, the largest of MFU and HFU) can be true.
+        Above 1, a measured peak is measured once more (the higher kept, the cache updated) and
+        the caller divides again; if that still cannot be true, or the peak is a datasheet
+        figure (then the FLOPs count is what is wrong), the peak is marked unreliable."""
+        if self.unreliable:
+            return False
+        if utilisation <= 1.0:
+            return True
+        if self.measured and not self.remeasured:
+            before = self.value
+            again = measure_matmul(*self.gemm, self.precision, self.device)
+            self.value = _store(_cpu_key(self.precision, self.gemm), again) \
+                if self.device == "cpu" else max(before, again)
+            self.remeasured = True
+            self.source += "; re-measured after a utilisation above 100%"
+            if utilisation * before / self.value <= 1.0:
+                return True
+        self.unreliable = True
+        return False
+
+
+def peak_flops(precision: str, device, gemm) -> Peak:
+    """This rank's peak: a datasheet figure for a known GPU part; else measured (on CPU at the
+    model's largest GEMM `gemm`, cached)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        value = datasheet_peak(name, precision)
+        if value:
+            return Peak(value, f"datasheet {name}, {precision} dense", precision, gemm,
+                        str(device), measured=False)
+        n = (8192, 8192, 8192)
+        return Peak(measure_matmul(*n, precision, str(device), tries=3),
+                    f"measured {precision} {_dims(n)} matmul on {name} (not in the datasheet "
+                    f"table)", precision, n, str(device))
+    key = _cpu_key(precision, gemm)
+    where = f"{precision} matmul {_dims(gemm)}"
+    cached = _read_cache().get(key)
+    if cached:
+        return Peak(cached, f"measured {where}, cached in {_cache_file()}", precision, gemm)
+    value = _store(key, measure_matmul(*gemm, precision))
+    return Peak(value, f"measured {where}, best of {CPU_TRIES}", precision, gemm)

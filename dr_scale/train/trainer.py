@@ -5,9 +5,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
+from dr_scale import comm
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.train import checkpoint
 from dr_scale.callbacks.base import CallbackList
@@ -23,7 +23,7 @@ class Trainer:
         self.topology = topology
         self.dp_size, self.dp_rank = topology.data, topology.data_rank
         self.run_dir, self.logger = Path(run_dir), logger
-        self.flops_per_token, self.peak_flops = facts.flops_per_token, facts.peak_flops
+        self.flops_per_token, self.peak = facts.flops_per_token, facts.peak
         self.hardware_flops_per_token = facts.hardware_flops_per_token
         self.pipelined = hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
         self._phase_s = ({"pipeline_step": 0.0} if self.pipelined else
@@ -113,7 +113,7 @@ class Trainer:
                 loss = self.engine(batch[:, :-1], batch[:, 1:])
             tokens = batch[:, 1:].numel()
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
-        dist.all_reduce(totals)
+        comm.all_reduce(totals)
         if self.pipelined and last_shape is not None:
             self.engine.reset_activation_shape()  # training batches may differ from the last one
         self.engine.train()
@@ -211,18 +211,23 @@ class Trainer:
     def _train_record(self, window_losses, seconds, lr) -> dict:
         """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
         losses = torch.stack(window_losses)
-        dist.all_reduce(losses)
+        comm.all_reduce(losses)
         losses = losses / self.topology.world  # tensor-parallel ranks hold equal copies
         mem = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the fullest rank is the one that matters
+        comm.all_reduce(mem, "max")  # the fullest rank is the one that matters
         steps = len(window_losses)
         tokens_per_s = steps * self.tokens_per_step / seconds
         flops_per_rank = tokens_per_s * self.flops_per_token / self.topology.world
+        hw_flops_per_rank = tokens_per_s * self.hardware_flops_per_token / self.topology.world
+        was_reliable = not self.peak.unreliable
+        if not self.peak.check(hw_flops_per_rank / self.peak.value) and was_reliable:  # HFU>=MFU
+            self.logger.info(f"MFU not reported from step {self.step} on: above 100% even "
+                             f"after measuring the peak again ({self.peak.source})")
+        utilisation = {} if self.peak.unreliable else {
+            "mfu": flops_per_rank / self.peak.value, "hfu": hw_flops_per_rank / self.peak.value}
         return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
-                "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12,
-                "mfu": flops_per_rank / self.peak_flops,
-                "hfu": tokens_per_s * self.hardware_flops_per_token / self.topology.world
-                / self.peak_flops,
+                "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12, **utilisation,
+                "peak_tflops": self.peak.value / 1e12,
                 "step_time_s": seconds / steps,
                 "consumed_tokens": self.step * self.tokens_per_step,
                 "skipped_steps": int(self.engine.skipped_steps),
