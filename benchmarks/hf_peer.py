@@ -49,7 +49,8 @@ def main():
         sys.exit(f"hf_peer: the peer is a Llama; preset {a.preset} is {shape.arch}")
     world = dist.get_world_size()
     ds = dsc.fill(dsc.read_json(dsc.resolve_path(a.ds_config)), cfg, world,
-                  source=a.ds_config, bf16_native=bf16_support(device.type).native)
+                  source=a.ds_config, bf16_native=bf16_support(device.type).native,
+                  device_type=device.type)
     hf_cfg = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
                          intermediate_size=shape.ffn_hidden_size,
                          num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,

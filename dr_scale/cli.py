@@ -91,7 +91,7 @@ def cmd_estimate(a):
     # "auto" precision: a GPU run is planned for sm_80+ (bf16); a CPU run for this machine's CPU
     bf16_native = a.device != "cpu" or cpu_bf16_support().native
     ds = dsc.fill(dsc.read_json(path), cfg, a.ranks // (tp * pp), source=str(path),
-                  bf16_native=bf16_native)
+                  bf16_native=bf16_native, device_type=a.device)
     est = estimate_for_run(cfg, ds, a.ranks, a.device)
     if a.json:
         print(json.dumps({"preset": cfg.model.preset, "ds_config": str(path), "ranks": a.ranks,

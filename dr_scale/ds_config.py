@@ -27,6 +27,20 @@ _SCHEDULER_AUTO = {
 }
 
 
+# ZeRO's communication settings where a config says "auto", by device. CPU (gloo): overlapping
+# the reduction with backward gains nothing on shared cores and big buckets only cost memory
+# (the values the CPU suite and benchmarks were measured with). GPU (NCCL): DeepSpeed's own
+# defaults, which overlap the reduction with the backward pass.
+ZERO_COMM = {
+    "cpu": {"overlap_comm": False, "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000},
+    "cuda": {"overlap_comm": True, "reduce_bucket_size": 500_000_000,
+             "allgather_bucket_size": 500_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+             "stage3_param_persistence_threshold": 100_000},
+}
+
+
 def resolve_path(name_or_path: str) -> Path:
     """A path as given, else a bare name (with or without .json) looked up in ds_configs/."""
     p = Path(name_or_path).expanduser()
@@ -67,9 +81,10 @@ def batch_layout(train_cfg, dp_size: int) -> Dict[str, int]:
 
 
 def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
-         bf16_native: bool = True) -> Dict[str, Any]:
+         bf16_native: bool = True, device_type: str = "cpu") -> Dict[str, Any]:
     """Return a copy of ``ds`` with every "auto" filled and every explicit value checked;
-    ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.hardware)."""
+    ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.hardware), ZeRO's
+    communication settings come from ZERO_COMM for ``device_type``."""
     ds = copy.deepcopy(ds)
     t = cfg.train
     b = batch_layout(t, dp_size)
@@ -127,6 +142,10 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
                            f"{bf16['enabled']!r}")
 
     zero = ds.get("zero_optimization", {})
+    tuned = ZERO_COMM.get(device_type, ZERO_COMM["cuda"])
+    for key, value in tuned.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
@@ -178,6 +197,18 @@ def precision(ds: Dict[str, Any]) -> str:
     if ds.get("fp16", {}).get("enabled"):
         return "fp16"
     return "fp32"
+
+
+def reduction_dtype(ds: Dict[str, Any]) -> str:
+    """The dtype DeepSpeed reduces gradients in, and why (its rule: communication_data_type if
+    set, else the training precision)."""
+    explicit = ds.get("communication_data_type")
+    if explicit:
+        return f"{explicit} (communication_data_type)"
+    p = precision(ds)
+    if p == "fp32":
+        return "fp32"
+    return f"{p} (the training precision; communication_data_type \"fp32\" reduces in fp32)"
 
 
 def zero_stage(ds: Dict[str, Any]) -> int:

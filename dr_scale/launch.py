@@ -17,6 +17,7 @@ from dr_scale.callbacks.build import build_callbacks
 from dr_scale.data.loader import dataset_types
 from dr_scale.distributed import close_distributed, init_distributed, world_size_from_env
 from dr_scale.errors import DrScaleError, TrainingStopped
+from dr_scale.export.hf import load_into
 from dr_scale.hardware import bf16_support
 from dr_scale.models import build_model, resolve_shape
 from dr_scale.parallel import parallelize as par
@@ -26,6 +27,7 @@ from dr_scale.run_setup import (StartLine, choose_run_dir, load_run_config, pars
                                 write_run_snapshot)
 from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
+from dr_scale.train.plot import plot_curves
 from dr_scale.train.schedule import build_scheduler
 from dr_scale.train.trainer import Trainer
 
@@ -50,7 +52,8 @@ def run(args):
     device, local_world = init_distributed()
     topo = Topology.from_config(dist.get_world_size(), cfg.parallel, dist.get_rank())  # topology
     bf16 = bf16_support(device.type)
-    ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native)
+    ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
+                  device_type=device.type)
     precision = dsc.precision(ds)
     check_precision(ds, precision, ds_path)
     layout = dsc.batch_layout(cfg.train, topo.data)
@@ -72,8 +75,6 @@ def run(args):
     torch.manual_seed(cfg.train.seed)
     model = build_model(shape)
     if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
-        from dr_scale.export.hf import load_into
-
         load_into(model, init_state, cfg.model.init_from)
     del init_state
     facts = run_facts(model, shape, cfg, precision, device, layout, topo)
@@ -104,8 +105,6 @@ def run(args):
     finally:
         logger.close()
     if topo.rank == 0 and cfg.logging.plot:
-        from dr_scale.train.plot import plot_curves
-
         logger.info(f"wrote {plot_curves(run_dir)}")
     close_distributed()
     return run_dir

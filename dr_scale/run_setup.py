@@ -206,8 +206,10 @@ class StartLine:
                f"{layout['global']} x {c.data.seq_length} tokens; run folder {self.run_dir}")
         if warning:
             yield warning
+        overlap = self.ds.get("zero_optimization", {}).get("overlap_comm", False)
         yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {self.kernels_line}; "
-               f"{describe_optimizer(self.ds, c.train)}")
+               f"{describe_optimizer(self.ds, c.train)}; gradients reduced in "
+               f"{dsc.reduction_dtype(self.ds)}, overlap_comm {str(overlap).lower()}")
         threads = (f"; {torch.get_num_threads()} thread(s) per rank ({threads_note(self.local_world)})"
                    if self.device.type == "cpu" else "")
         yield f"peak (MFU's denominator): {self.facts.peak.value / 1e12:.3f} TFLOP/s per rank, " \

@@ -69,8 +69,8 @@ def test_global_batch_not_divisible():
 
 
 def test_auto_without_a_source_is_named(tmp_path):
-    p = write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}})
-    with pytest.raises(DrScaleError, match=r"ds\.json: zero_optimization\.reduce_bucket_size: "
+    p = write(tmp_path, {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}})
+    with pytest.raises(DrScaleError, match=r"ds\.json: zero_optimization\.sub_group_size: "
                                            r"\"auto\" has no value"):
         dsc.load(str(p), load_config(), dp_size=1)
 
@@ -96,3 +96,30 @@ def test_bad_files_one_line(tmp_path, text, pattern):
     with pytest.raises(DrScaleError, match=pattern) as e:
         dsc.load(str(p), load_config(), dp_size=1)
     assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_zero_communication_is_tuned_per_device(name, tmp_path):
+    """The bundled configs leave ZeRO's overlap and buckets to the device: CPU keeps the values
+    measured here (no overlap, 5e7 buckets), a GPU gets DeepSpeed's (overlap, 5e8 reduction
+    buckets); an explicit value is kept on either."""
+    cfg = load_config()
+    raw = dsc.read_json(dsc.resolve_path(name))
+    cpu = dsc.fill(raw, cfg, 2, device_type="cpu")["zero_optimization"]
+    gpu = dsc.fill(raw, cfg, 2, device_type="cuda")["zero_optimization"]
+    assert (cpu["overlap_comm"], cpu["reduce_bucket_size"]) == (False, 50_000_000)
+    assert (gpu["overlap_comm"], gpu["reduce_bucket_size"]) == (True, 500_000_000)
+    if dsc.zero_stage(raw) == 3:
+        assert cpu["stage3_prefetch_bucket_size"] == gpu["stage3_prefetch_bucket_size"] == 5e7
+    mine = json.loads(json.dumps(raw))
+    mine["zero_optimization"].update(overlap_comm=False, reduce_bucket_size=12345)
+    kept = dsc.fill(mine, cfg, 2, device_type="cuda")["zero_optimization"]
+    assert (kept["overlap_comm"], kept["reduce_bucket_size"]) == (False, 12345)
+
+
+def test_reduction_dtype_is_stated():
+    assert dsc.reduction_dtype({"bf16": {"enabled": True}}).startswith(
+        "bf16 (the training precision; communication_data_type \"fp32\" reduces in fp32)")
+    assert dsc.reduction_dtype({"bf16": {"enabled": True}, "communication_data_type": "fp32"}) \
+        == "fp32 (communication_data_type)"
+    assert dsc.reduction_dtype({}) == "fp32"

@@ -15,12 +15,14 @@ with the refusals beside them.
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from deepspeed.utils import groups
 from torch import nn
 
 from dr_scale import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel import checkpointing, sequence
-from dr_scale.parallel.tensor import autotp_section, check_divisible
+from dr_scale.parallel.pipeline import to_pipeline
+from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_pipeline_stages
 from dr_scale.parallel.topology import Topology
 
 
@@ -60,8 +62,6 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path)
     check(shape, topo, cfg, ds, ds_path)                                              # 1
     mpu = None
     if topo.tensor > 1 and topo.pipeline == 1:                                       # 2
-        from deepspeed.utils import groups
-
         ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
         groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
         mpu = groups  # DeepSpeed's batch check then counts data-parallel ranks only
@@ -70,9 +70,6 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path)
     if cfg.model.compile:                                                              # 4
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
     if topo.pipeline > 1:                                                              # 5
-        from dr_scale.parallel.pipeline import to_pipeline
-        from dr_scale.parallel.tensor import shard_pipeline_stages
-
         model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor)
         if topo.tensor > 1:
             shard_pipeline_stages(model, shape, topo.tensor)
