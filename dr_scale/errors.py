@@ -19,5 +19,13 @@ def where(path, key=None) -> str:
     return str(path)
 
 
+EXIT_STOPPED = 3     # a callback stopped training (e.g. nan_guard)
+EXIT_PREEMPTED = 75  # a stop signal: checkpoint saved; run the same command with --resume auto
+
+
 class TrainingStopped(DrScaleError):
     """Training stopped itself on purpose (e.g. too many non-finite steps in a row)."""
+
+
+class Preempted(TrainingStopped):
+    """A stop signal arrived; every rank saved and stopped at the same step."""

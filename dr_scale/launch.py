@@ -16,7 +16,8 @@ from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.data.loader import dataset_types
 from dr_scale.distributed import close_distributed, init_distributed, world_size_from_env
-from dr_scale.errors import DrScaleError, TrainingStopped
+from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
+                             TrainingStopped)
 from dr_scale.export.hf import load_into
 from dr_scale.hardware import bf16_support
 from dr_scale.models import build_model, resolve_shape
@@ -24,7 +25,7 @@ from dr_scale.parallel import parallelize as par
 from dr_scale.parallel.topology import Topology
 from dr_scale.run_setup import (StartLine, choose_run_dir, load_run_config, parse_args,
                                 plan_resume, prepare_data, run_facts, select_kernels,
-                                write_run_snapshot)
+                                settle_resume, write_run_snapshot)
 from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.plot import plot_curves
@@ -35,6 +36,7 @@ from dr_scale.train.trainer import Trainer
 def check_config(args):
     """Step 1, before any process group or build: the experiment config, the DeepSpeed JSON and
     every refusal of the parallel layout, against the world the launcher announced."""
+    fresh_over_old = settle_resume(args)
     cfg, run_dir, init_state = load_run_config(args)
     ds_path = dsc.resolve_path(args.ds_config)
     raw_ds = dsc.read_json(ds_path)
@@ -44,11 +46,11 @@ def check_config(args):
     dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path))
     build_callbacks(cfg.callbacks, topo.pipeline)
     dataset_types(cfg.data)
-    return cfg, run_dir, init_state, ds_path, raw_ds
+    return cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old
 
 
 def run(args):
-    cfg, run_dir, init_state, ds_path, raw_ds = check_config(args)                 # config
+    cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old = check_config(args)  # config
     device, local_world = init_distributed()
     topo = Topology.from_config(dist.get_world_size(), cfg.parallel, dist.get_rank())  # topology
     bf16 = bf16_support(device.type)
@@ -58,14 +60,15 @@ def run(args):
     check_precision(ds, precision, ds_path)
     layout = dsc.batch_layout(cfg.train, topo.data)
     run_dir = choose_run_dir(run_dir, cfg, args.resume)
-    resume_step, resume_plan = None, None
+    resume_step, resume_at, resume_plan = None, (0, 0), None
     if args.resume:
-        resume_step, resume_plan = plan_resume(run_dir / "checkpoints", topo, ds)
+        resume_step, consumed, resume_plan = plan_resume(run_dir / "checkpoints", topo, ds)
+        resume_at = (resume_step, consumed)
         if resume_plan == "universal":
             ds = dict(ds, checkpoint=dict(ds.get("checkpoint", {}), load_universal=True))
     callbacks = build_callbacks(cfg.callbacks, topo.pipeline)
 
-    sources = prepare_data(cfg, layout, run_dir if args.resume else None)          # data
+    sources = prepare_data(cfg, layout, run_dir if args.resume else None, resume_at)  # data
     shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)                  # model
     if cfg.data.seq_length > shape.max_seq_length:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
@@ -84,8 +87,10 @@ def run(args):
         write_run_snapshot(run_dir, args.resume, cfg, parallel.ds, topo, local_world, device,
                            shape, facts, sources, layout)
     comm.barrier()
+    # a fresh start in a run folder that never saved: all its earlier records are set aside
     logger = MetricsLogger(run_dir, cfg.logging, cfg.train.max_steps, enabled=topo.rank == 0,
-                           run_name=run_dir.name, resume_step=resume_step)
+                           run_name=run_dir.name,
+                           resume_step=-1 if fresh_over_old else resume_step)
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
                       layout, run_dir, kernels_line)
     for line in start.lines():
@@ -117,7 +122,7 @@ def main(argv=None):
         if os.environ.get("RANK", "0") == "0":
             print(f"dr_scale: stopped: {e}", file=sys.stderr, flush=True)
         close_distributed()  # every rank stops at the same step, so they can leave together
-        sys.exit(3)
+        sys.exit(EXIT_PREEMPTED if isinstance(e, Preempted) else EXIT_STOPPED)
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "

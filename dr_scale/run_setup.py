@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +24,15 @@ from dr_scale.export.hf import apply_init_from
 from dr_scale.kernels import ops
 from dr_scale.kernels.registry import select
 from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
-from dr_scale.train.checkpoint import convert_to_universal, find_tag, reshard_plan, step_of
+from dr_scale.train.checkpoint import (complete_tags, convert_to_universal, find_tag, reshard_plan,
+                                       saved_position)
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
-         "[--run_dir DIR] [--resume] [--stop_at_step N] [dotted.key=value ...]")
+         "[--run_dir DIR] [--resume [auto]] [--stop_at_step N] [dotted.key=value ...]")
+# What marks a folder as a run folder (--resume auto starts fresh only in one of these or none)
+RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,12 +45,60 @@ def parse_args(argv=None):
     p.add_argument("--ds_config", required=True, help="DeepSpeed JSON; bare names resolve to ds_configs/")
     p.add_argument("--config", help="experiment YAML; default: the embedded default")
     p.add_argument("--run_dir", help="run folder; default: runs/<date>-<time>")
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--resume", action="store_const", const="latest",
+                   help="continue from the run folder's latest checkpoint; `--resume auto`: "
+                        "continue if it has one, start fresh if not (one command for launch and "
+                        "requeue)")
+    p.add_argument("--resume_mode", dest="resume", help=argparse.SUPPRESS)  # `--resume auto`
     p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
                    help="save and exit after step N (the schedule still runs to train.max_steps)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
-    return p.parse_args(argv)
+    return p.parse_args(_resume_forms(sys.argv[1:] if argv is None else list(argv)))
+
+
+def _resume_forms(argv):
+    """`--resume auto` / `--resume=auto` as one option, so a bare `--resume` never swallows the
+    override that follows it."""
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--resume" and i + 1 < len(argv) and argv[i + 1] in ("auto", "latest"):
+            out.append(f"--resume_mode={argv[i + 1]}")
+            i += 2
+            continue
+        if tok.startswith("--resume="):
+            mode = tok.split("=", 1)[1]
+            if mode not in ("auto", "latest"):
+                raise DrScaleError(f"command line: --resume={mode}: expected auto or latest")
+            tok = f"--resume_mode={mode}"
+        out.append(tok)
+        i += 1
+    return out
+
+
+def settle_resume(args):
+    """Turn --resume auto into yes or no, before anything reads the run folder: yes when it holds
+    a complete checkpoint; no when it is absent, empty, or a run folder without one (a run that
+    stopped before its first save: its records are set aside). Returns whether a fresh start
+    reuses such a folder."""
+    if args.resume != "auto":
+        args.resume = args.resume is not None
+        return False
+    if not args.run_dir:
+        raise DrScaleError("--resume auto: needs --run_dir (the folder to continue or start)")
+    run_dir = Path(args.run_dir)
+    if complete_tags(run_dir / "checkpoints"):
+        args.resume = True
+        return False
+    args.resume = False
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return False
+    if not any((run_dir / name).exists() for name in RUN_FILES):
+        raise DrScaleError(f"{run_dir}: --resume auto: not a dr_scale run folder (none of "
+                           f"{', '.join(RUN_FILES)}); choose another --run_dir")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # staging leftovers only
+    return True
 
 
 def load_run_config(args):
@@ -82,8 +134,9 @@ def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
 
 
 def plan_resume(ckpt_dir: Path, topo, ds: dict):
-    """(step, plan) for --resume; with another number of ranks or ZeRO stage, rank 0 converts the
-    checkpoint to DeepSpeed's universal format first (once) and every rank loads that."""
+    """(step, samples consumed, plan) for --resume; with another number of ranks or ZeRO stage,
+    rank 0 converts the checkpoint to DeepSpeed's universal format first (once) and every rank
+    loads that."""
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(ds)
     plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
@@ -93,19 +146,23 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
                   f"{stage} (DeepSpeed universal checkpoint)", flush=True)
             convert_to_universal(ckpt_dir, tag, stage, topo.world)
         comm.barrier()
-    return step_of(tag), plan
+    step, consumed = saved_position(ckpt_dir / tag)
+    return step, consumed, plan
 
 
-def prepare_data(cfg, layout, resumed_run_dir=None):
+def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
     """Tokenizer + train/held-out streams; local rank 0 builds the first-use cache alone. A
-    resumed run must keep its tokenizer."""
+    resumed run must keep its tokenizer; `resume_at` (step, samples consumed) sizes the stream
+    for the steps left at this run's global batch."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     files = resolve_files(cfg.data) if local_rank == 0 else None
     comm.barrier()
     if files is None:
         files = resolve_files(cfg.data)
     t = cfg.train
-    sources = build_sources(cfg.data, t.seed, train_samples=t.max_steps * layout["global"],
+    step, consumed = resume_at
+    train_samples = consumed + max(0, t.max_steps - step) * layout["global"]
+    sources = build_sources(cfg.data, t.seed, train_samples=train_samples,
                             eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
     used = resumed_run_dir / "tokenizer.model" if resumed_run_dir else None
     if used is not None and used.is_file() and file_sha256(used) != sources.tokenizer.sha256:
@@ -210,8 +267,8 @@ class StartLine:
         yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {self.kernels_line}; "
                f"{describe_optimizer(self.ds, c.train)}; gradients reduced in "
                f"{dsc.reduction_dtype(self.ds)}, overlap_comm {str(overlap).lower()}")
-        threads = (f"; {torch.get_num_threads()} thread(s) per rank ({threads_note(self.local_world)})"
-                   if self.device.type == "cpu" else "")
+        threads = "" if self.device.type != "cpu" else \
+            f"; {torch.get_num_threads()} thread(s) per rank ({threads_note(self.local_world)})"
         yield f"peak (MFU's denominator): {self.facts.peak.value / 1e12:.3f} TFLOP/s per rank, " \
               f"{self.facts.peak.source}{threads}"
 

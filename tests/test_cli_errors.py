@@ -142,3 +142,17 @@ def test_deepspeed_config_without_optimizer_trains_with_torch_adamw(cache_dir, t
                     "0.9/0.999; the DeepSpeed config has no optimizer section)") in proc.stdout
     assert len(losses["none"]) == 4
     assert losses["none"] == pytest.approx(losses["named"], rel=1e-6)
+
+
+def test_resume_forms_on_the_command_line():
+    from dr_scale.errors import DrScaleError
+    from dr_scale.run_setup import parse_args
+
+    a = parse_args(["--ds_config", "zero3", "--resume", "model.num_layers=2"])
+    assert a.resume == "latest" and a.overrides == ["model.num_layers=2"]  # not swallowed
+    assert parse_args(["--ds_config", "zero3", "--resume", "auto", "x.y=1"]).resume == "auto"
+    assert parse_args(["--ds_config", "zero3", "--resume=auto"]).resume == "auto"
+    assert parse_args(["--ds_config", "zero3"]).resume is None
+    with pytest.raises(DrScaleError, match=r"^command line: --resume=sometimes: expected auto or "
+                                           r"latest$"):
+        parse_args(["--ds_config", "zero3", "--resume=sometimes"])

@@ -2,6 +2,7 @@
 uninterrupted run's losses bitwise (fp32), with each step once in metrics.jsonl."""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -158,3 +159,105 @@ def test_resume_with_another_tokenizer_is_refused(reference, short_run, cache_di
     assert proc.returncode == 2
     assert "tokenizer.model: the run was trained with this tokenizer, but the resumed config " \
            f"gives {other}" in proc.stderr
+
+
+def stop_when(proc, ready, timeout=600):
+    """SIGTERM to every rank (as a scheduler signals its tasks) once `ready()`."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ready():
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                if "--local_rank" in " ".join(p.cmdline()):
+                    p.send_signal(signal.SIGTERM)
+            return proc.wait(timeout=120)
+        if proc.poll() is not None:
+            pytest.fail("the run ended before the moment to stop it came")
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail("timed out waiting for the moment to stop")
+
+
+def test_sigterm_saves_and_resume_auto_continues(reference, cache_dir, tmp_path):
+    """One command for the first launch and every requeue: `--resume auto` starts fresh in an
+    empty folder; SIGTERM stops both ranks at one step boundary with a checkpoint there (between
+    the save interval's checkpoints) and exit status 75; the same command continues, twice over,
+    and the losses are the uninterrupted run's, bitwise (fp32)."""
+    ds, expected = reference
+    run = tmp_path / "run"
+    command = ["--ds_config", ds, "--run_dir", run, "--resume", "auto", *ARGS]
+    stops = []
+    for leg, after in enumerate((4, 8)):
+        with open(tmp_path / f"leg{leg}.log", "w") as log:
+            proc = spawn(command, cache_dir, log)
+            code = stop_when(proc, lambda: after in logged_steps(run))
+        text = (tmp_path / f"leg{leg}.log").read_text()
+        found = re.search(r"dr_scale: stopped: SIGTERM at step (\d+): checkpoint (\S+) saved", text)
+        assert found, text[-3000:]
+        stops.append(int(found.group(1)))
+        assert code == 75, text[-2000:]  # the launcher passes the ranks' status on
+        assert (run / "checkpoints" / f"step_{stops[-1]:08d}").is_dir()
+        assert ("resumed from" in text) == (leg == 1)
+    assert 4 <= stops[0] < stops[1] and stops[1] >= 8
+    proc = launch(command, 2, cache_dir)
+    assert f"resumed from {run / 'checkpoints' / f'step_{stops[1]:08d}'}" in proc.stdout
+    got = [r for r in records(run) if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, 13))          # each step once
+    assert {r["step"]: r["loss"] for r in got} == expected         # bitwise, fp32
+    # and a folder that is not a run folder is refused, untouched
+    other = tmp_path / "not_a_run"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    proc = launch(["--ds_config", ds, "--run_dir", other, "--resume", "auto", *ARGS], 2,
+                  cache_dir, check=False)
+    assert proc.returncode == 2 and "--resume auto: not a dr_scale run folder" in proc.stderr
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+def test_slurm_script_tasks_stop_on_sigusr1_and_continue(reference, cache_dir, tmp_path):
+    """The per-task command of launchers/slurm_pretrain.sbatch, run as SLURM would run it on one
+    node of 2 tasks (its SLURM_* variables set here): each task becomes one rank; SIGUSR1 to the
+    tasks (--signal=USR1@120) stops both at one step with a checkpoint and status 75, the
+    script's cue to requeue; the same command then continues to the end with the uninterrupted
+    losses (fp32, bitwise)."""
+    from tests.conftest import ROOT
+
+    text = (ROOT / "launchers" / "slurm_pretrain.sbatch").read_text()
+    task = re.search(r"srun [^\n]*bash -c '(.*?)' _ \"\$@\"", text, re.S).group(1)
+    ds, expected = reference
+    run = tmp_path / "run"
+    args = ["--ds_config", str(ds), "--run_dir", str(run), *ARGS]
+    port = str(free_port())
+
+    def start(log):
+        procs = []
+        for rank in (0, 1):
+            env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), SLURM_PROCID=str(rank),
+                       SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(["bash", "-c", task, "_", *args], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+        return procs
+
+    with open(tmp_path / "first.log", "w") as log:
+        procs = start(log)
+        deadline = time.time() + 300
+        while 3 not in logged_steps(run) and time.time() < deadline:
+            assert all(p.poll() is None for p in procs), (tmp_path / "first.log").read_text()
+            time.sleep(0.01)
+        for p in procs:  # the task is python itself (exec): the signal reaches the rank
+            p.send_signal(signal.SIGUSR1)
+        codes = [p.wait(timeout=120) for p in procs]
+    first = (tmp_path / "first.log").read_text()
+    assert codes == [75, 75], first[-3000:]
+    stopped = int(re.search(r"stopped: SIGUSR1 at step (\d+)", first).group(1))
+    port = str(free_port())
+    with open(tmp_path / "second.log", "w") as log:
+        codes = [p.wait(timeout=300) for p in start(log)]
+    second = (tmp_path / "second.log").read_text()
+    assert codes == [0, 0], second[-3000:]
+    assert f"at step {stopped} ({stopped * 8} samples consumed)" in second
+    got = [r for r in records(run) if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert {r["step"]: r["loss"] for r in got} == expected

@@ -200,8 +200,21 @@ def test_step_sampler_partitions_global_batches_and_resumes():
     per_rank = [list(StepBatchSampler(micro, accum, dp, r, 0, 4)) for r in range(dp)]
     seen = sorted(p for batches in per_rank for b in batches for p in b)
     assert seen == list(range(4 * micro * accum * dp))  # every position once, none twice
-    resumed = list(StepBatchSampler(micro, accum, dp, 1, 2, 4))
+    resumed = list(StepBatchSampler(micro, accum, dp, 1, 2 * micro * accum * dp, 2))
     assert resumed == per_rank[1][2 * accum:]
+
+
+def test_sampler_continues_at_the_next_sample_across_layout_changes():
+    """1 rank (global batch 2) for 2 steps, then 2 ranks (global batch 4) for 2 steps, then 1 rank
+    with accumulation 3 (global batch 6) for 2 steps, each leg starting at the samples consumed:
+    every position read once, in order of steps, none skipped."""
+    legs = [(1, 1, 2), (2, 1, 2), (1, 3, 2)]  # (data-parallel ranks, accumulation, steps)
+    consumed, read = 0, []
+    for dp, accum, steps in legs:
+        for r in range(dp):
+            read += [p for b in StepBatchSampler(2, accum, dp, r, consumed, steps) for p in b]
+        consumed += 2 * accum * dp * steps
+    assert consumed == 4 + 8 + 12 and sorted(read) == list(range(consumed))
 
 
 def test_dataset_type_picks_the_registered_builder(tmp_path, tokenizer):

@@ -70,3 +70,26 @@ def test_zero0_to_zero1_is_refused_with_what_to_do(cache_dir, tmp_path):
     assert proc.returncode == 2
     assert ("a ZeRO-0 checkpoint (2 rank(s)) cannot be resumed at ZeRO-1: ZeRO-0 keeps no "
             "partitioned optimizer state to reshard") in proc.stderr
+
+
+def test_data_continues_at_the_next_sample_when_the_data_parallel_size_changes(cache_dir,
+                                                                               tmp_path):
+    """With the default global batch (micro x data-parallel ranks) the global batch changes with
+    the ranks: 1 rank for 2 steps (2 samples each), resumed on 2 ranks for 2 steps (4 each), then
+    on 1 rank again. The data position is the samples consumed, so each leg starts at the exact
+    next sample (it used to be step x the new global batch: samples skipped)."""
+    args = ["data.seq_length=32", "train.max_steps=6", "train.warmup_steps=1",
+            "train.log_interval=1", "train.eval_interval=100", "train.save_interval=100",
+            "train.eval_samples=4", "train.micro_batch_size=2", "train.eval_at_start=false",
+            "logging.plot=false", "logging.tensorboard=false"]
+    run = tmp_path / "run"
+    launch(["--ds_config", "zero1", "--run_dir", run, *args, "--stop_at_step", "2"], 1, cache_dir)
+    proc = launch(["--ds_config", "zero1", "--run_dir", run, "--resume", "--stop_at_step", "4"],
+                  2, cache_dir)
+    assert "at step 2 (4 samples consumed; global batch 2 -> 4 samples" in proc.stdout
+    proc = launch(["--ds_config", "zero1", "--run_dir", run, "--resume"], 1, cache_dir)
+    assert "at step 4 (12 samples consumed; global batch 4 -> 2 samples" in proc.stdout
+    train = [r for r in records(run) if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert [r["consumed_samples"] for r in train] == [2, 4, 8, 12, 14, 16]
+    assert [r["consumed_tokens"] for r in train] == [32 * n for n in (2, 4, 8, 12, 14, 16)]

@@ -128,10 +128,16 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
     ds = str(fp32_config(tmp_path, stage)) if precision == "fp32" else f"zero{stage}"
     full, split = tmp_path / "full", tmp_path / "split"
     launch(["--ds_config", ds, "--run_dir", full, *RESUME], 2, cache_dir)
-    launch(["--ds_config", ds, "--run_dir", split, *RESUME, "--stop_at_step", 6], 2, cache_dir)
+    # wandb (offline) rides along on the split run: one training run stays one wandb run
+    wandb = ["logging.wandb=true", "logging.wandb_mode=offline"]
+    launch(["--ds_config", ds, "--run_dir", split, *RESUME, *wandb, "--stop_at_step", 6], 2,
+           cache_dir)
     assert [r["step"] for r in records(split) if "loss" in r] == list(range(1, 7))
     proc = launch(["--ds_config", ds, "--run_dir", split, "--resume"], 2, cache_dir)
     assert "resumed from" in proc.stdout and "at step 6 (48 samples consumed)" in proc.stdout
+    run_id = (split / "wandb_run_id").read_text().strip()
+    offline = sorted(p.name for p in (split / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)
     a = {r["step"]: r for r in records(full) if "loss" in r}
     b = {r["step"]: r for r in records(split) if "loss" in r}
     assert sorted(a) == sorted(b) == list(range(1, 13))

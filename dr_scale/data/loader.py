@@ -71,32 +71,35 @@ def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
 
 
 class StepBatchSampler(torch.utils.data.Sampler):
-    """Yields this rank's micro-batches of global sample positions, from ``start_step`` on.
+    """Yields this rank's micro-batches of global sample positions for `steps` steps, from
+    sample `start_sample` on.
 
-    Step s covers positions [s*G, (s+1)*G); micro-batch m of rank r takes
-    s*G + (m*dp + r)*micro + [0, micro). The data position is thus the step count alone.
+    With G = micro x accum x dp, the k-th step covers positions start + [k*G, (k+1)*G); its
+    micro-batch m on rank r takes start + k*G + (m*dp + r)*micro + [0, micro). The data position
+    is the number of samples consumed, not the step count, so a resume with another number of
+    data-parallel ranks or another global batch continues at the exact next sample.
     """
 
-    def __init__(self, micro: int, accum: int, dp_size: int, dp_rank: int, start_step: int,
-                 max_steps: int):
+    def __init__(self, micro: int, accum: int, dp_size: int, dp_rank: int, start_sample: int,
+                 steps: int):
         self.micro, self.accum, self.dp, self.rank = micro, accum, dp_size, dp_rank
-        self.start, self.max_steps = start_step, max_steps
+        self.start, self.steps = start_sample, steps
         self.global_batch = micro * accum * dp_size
 
     def __iter__(self) -> Iterator[List[int]]:
-        for step in range(self.start, self.max_steps):
+        for k in range(self.steps):
             for m in range(self.accum):
-                base = step * self.global_batch + (m * self.dp + self.rank) * self.micro
+                base = self.start + k * self.global_batch + (m * self.dp + self.rank) * self.micro
                 yield list(range(base, base + self.micro))
 
     def __len__(self):
-        return (self.max_steps - self.start) * self.accum
+        return self.steps * self.accum
 
 
-def train_loader(stream: SampleStream, layout: dict, dp_size: int, dp_rank: int, start_step: int,
-                 max_steps: int, num_workers: int):
-    sampler = StepBatchSampler(layout["micro"], layout["accum"], dp_size, dp_rank, start_step,
-                               max_steps)
+def train_loader(stream: SampleStream, layout: dict, dp_size: int, dp_rank: int,
+                 start_sample: int, steps: int, num_workers: int):
+    sampler = StepBatchSampler(layout["micro"], layout["accum"], dp_size, dp_rank, start_sample,
+                               steps)
     return torch.utils.data.DataLoader(stream, batch_sampler=sampler, num_workers=num_workers,
                                        persistent_workers=num_workers > 0)
 

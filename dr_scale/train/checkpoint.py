@@ -176,6 +176,13 @@ def saved_parallel_layout(tag_dir: Path) -> tuple:
     return max(1, len(tensor_ranks(tag_dir))), 1
 
 
+def saved_position(tag_dir: Path) -> tuple:
+    """(step, samples consumed) the checkpoint was written at (rank 0's state, mapped)."""
+    state = torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",
+                       weights_only=True, mmap=True)
+    return int(state["step"]), int(state["consumed_samples"])
+
+
 def saved_topology(tag_dir: Path) -> Topology:
     """The layout of the ranks that wrote the checkpoint (export reads slices by it)."""
     tensor, pipeline = saved_parallel_layout(Path(tag_dir))

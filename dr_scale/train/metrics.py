@@ -3,6 +3,7 @@ package or an unreachable service is reported once and never stops a run."""
 import json
 import os
 import resource
+import secrets
 import sys
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def console_line(rec: dict, max_steps: int) -> str:
             f"{rec['tflops']:.3f} TFLOP/s | {mfu} | mem {format_bytes(rec['mem_peak_bytes'])}"
             + (f" | grad norm {rec['grad_norm']:.3f}" if "grad_norm" in rec else "")
             + (f" | clipped {rec['clipped_params']:.1f}" if "clipped_params" in rec else ""))
+
+
+WANDB_ID_FILE = "wandb_run_id"
 
 
 class MetricsLogger:
@@ -70,8 +74,16 @@ class MetricsLogger:
             try:
                 import wandb
 
+                # One training run is one wandb run: its id is kept in the run folder and
+                # given again on resume (an online resume must find it: "must").
+                id_file = run_dir / WANDB_ID_FILE
+                run_id = id_file.read_text().strip() if id_file.is_file() else \
+                    secrets.token_hex(4)  # wandb accepts any short [a-z0-9] id
+                id_file.write_text(run_id + "\n")
+                online_resume = resume_step is not None and cfg.wandb_mode == "online"
                 self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_name,
-                                        dir=str(run_dir), mode=cfg.wandb_mode, resume="allow")
+                                        dir=str(run_dir), mode=cfg.wandb_mode, id=run_id,
+                                        resume="must" if online_resume else "allow")
             except Exception as e:  # noqa: BLE001 - any wandb failure must not kill the run
                 self.note(f"wandb logging off ({type(e).__name__}: {e})")
 

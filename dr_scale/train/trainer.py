@@ -9,9 +9,11 @@ from torch.profiler import record_function
 
 from dr_scale import comm
 from dr_scale.data.loader import eval_batches, train_loader
+from dr_scale.errors import Preempted
 from dr_scale.train import checkpoint
 from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes
+from dr_scale.train.preemption import StopSignals
 
 
 class Trainer:
@@ -36,7 +38,8 @@ class Trainer:
         self.callbacks = CallbackList(callbacks)
         self._reported = {}  # name -> values reported by callbacks since the last train record
         self.stop = None     # the step this invocation ends at (set by fit)
-        self.step = 0  # optimizer steps done
+        self.step = 0  # optimizer steps done (the schedule, max_steps and intervals count these)
+        self.consumed_samples = 0  # the data position: samples read so far, on all ranks
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
         self.model_signature = engine.module.shape.weights_signature()
 
@@ -68,7 +71,8 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.step * self.layout["global"],
+        return {"step": self.step, "consumed_samples": self.consumed_samples,
+                "global_batch": self.layout["global"],
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
                 "parallel": {"tensor": self.topology.tensor,
                              "pipeline": self.topology.pipeline},
@@ -86,11 +90,16 @@ class Trainer:
                                       self.model_signature, self.resume_plan,
                                       self.engine.zero_optimization_stage())
         self.step = int(state["step"])
+        self.consumed_samples = int(state["consumed_samples"])
         checkpoint.set_rng_state(state["rng"])
         self.callbacks.load_state_dict(state.get("callbacks", {}), self, self.logger.info)
         self.last_checkpoint = path
+        was = int(state.get("global_batch", self.layout["global"]))
+        change = (f"; global batch {was} -> {self.layout['global']} samples, the data continues "
+                  f"at the next sample and the schedule at the next step"
+                  if was != self.layout["global"] else "")
         self.logger.info(f"resumed from {path} at step {self.step} "
-                         f"({state['consumed_samples']} samples consumed)")
+                         f"({self.consumed_samples} samples consumed{change})")
         self.callbacks.fire("on_resume", self, self.step, path)
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -133,11 +142,16 @@ class Trainer:
     def fit(self):
         t = self.cfg.train
         stop = self.stop = min(t.max_steps, self.stop_at_step or t.max_steps)
+        signals = StopSignals()
+        self._fit(t, stop, signals)
+        signals.restore()  # after a stop signal they stay noted: the ranks are leaving together
+
+    def _fit(self, t, stop, signals):
         self.callbacks.fire("on_train_start", self)
         if self.step == 0 and t.eval_at_start:
             self.evaluate()
         loader = train_loader(self.sources.train, self.layout, self.dp_size, self.dp_rank,
-                              self.step, stop, self.cfg.data.num_workers)
+                              self.consumed_samples, stop - self.step, self.cfg.data.num_workers)
         for cb in self.callbacks.callbacks:
             loader = cb.wrap_loader(self, loader)
         batches = iter(loader)
@@ -160,6 +174,7 @@ class Trainer:
                     self.engine.step()
                 step_loss += loss.detach().float()
             self.step += 1
+            self.consumed_samples += self.layout["global"]
             window_losses.append(step_loss / self.layout["accum"])
             record = None
             if self.will_log(self.step):
@@ -170,9 +185,18 @@ class Trainer:
             if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                 self.evaluate()
                 window_start = time.perf_counter()  # evaluation time is not training throughput
-            if self.step % t.save_interval == 0 or self.step == stop:
+            saved = self.step % t.save_interval == 0 or self.step == stop
+            if saved:
                 self.save_checkpoint()
                 window_start = time.perf_counter()
+            signal_name = signals.agreed()  # every rank, every step: they stop at the same one
+            if signal_name and self.step < stop:
+                if not saved:
+                    self.save_checkpoint()
+                self.callbacks.fire("on_exit", self)
+                raise Preempted(f"{signal_name} at step {self.step}: checkpoint "
+                                f"{self.last_checkpoint} saved; the same command with "
+                                f"--resume auto continues")
         self.callbacks.fire("on_exit", self)
 
     @contextlib.contextmanager
@@ -229,7 +253,8 @@ class Trainer:
                 "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12, **utilisation,
                 "peak_tflops": self.peak.value / 1e12,
                 "step_time_s": seconds / steps,
-                "consumed_tokens": self.step * self.tokens_per_step,
+                "consumed_samples": self.consumed_samples,
+                "consumed_tokens": self.consumed_samples * self.cfg.data.seq_length,
                 "skipped_steps": int(self.engine.skipped_steps),
                 "mem_peak_bytes": int(mem.item()), **self._breakdown(steps), **self._grad_norm(),
                 **self._drain_reports()}

@@ -1,0 +1,38 @@
+"""Stop signals (SIGTERM, SIGUSR1: what SLURM and other schedulers send before they preempt or
+hit a time limit): a handler only notes the signal; at the next step boundary all ranks agree
+(one small all-reduce) to stop, save a checkpoint and exit with EXIT_PREEMPTED, so the same
+command with `--resume auto` continues the run.
+"""
+import signal
+import threading
+from typing import Optional
+
+import torch
+
+from dr_scale import comm
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopSignals:
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # handlers live there only
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum, frame):
+        self.received = signum  # nothing else here: the rank may be inside a collective
+
+    def agreed(self) -> Optional[str]:
+        """On every rank, the name of a stop signal any rank has received, else None."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int64)
+        comm.all_reduce(flag, "max")
+        code = int(flag.item())
+        return signal.Signals(code).name if code else None
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
