@@ -45,7 +45,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False):
-    """Eager attention. q: (B, H, S, D); k, v: (B, KVH, S, D) with H a multiple of KVH."""
+    """Eager attention. q: (B, H, Sq, D); k, v: (B, KVH, Sk, D) with H a multiple of KVH. The
+    causal mask is top-left aligned, as torch SDPA's `is_causal` and our Triton kernel: query i
+    sees keys 0..i (bottom-right alignment disagreed with both when Sq != Sk, and left rows with
+    no key at all, NaN, when Sq > Sk)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -53,7 +56,7 @@ def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bo
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
         s_q, s_k = q.shape[-2], k.shape[-2]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if dropout_p and training:

@@ -46,6 +46,33 @@ def test_flash_attention_matches_reference(b, h, kvh, s, d, causal, dtype):
         assert_close(got, want, dtype, pol, name)
 
 
+@pytest.mark.parametrize("sq, sk", [(20, 45), (45, 20), (33, 64)])
+def test_unequal_query_and_key_lengths(sq, sk):
+    """The reference equals fp64 SDPA (top-left causal mask) when query and key lengths differ,
+    with no NaN where queries outnumber keys; the Triton kernel equals the reference there."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(sq * sk)
+    q = torch.randn(1, 4, sq, 64, generator=g)
+    k, v = (torch.randn(1, 2, sk, 64, generator=g) for _ in range(2))
+    ref = reference.attention(q, k, v, causal=True)
+    want = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(2, 1),
+                                          v.double().repeat_interleave(2, 1), is_causal=True)
+    assert not ref.isnan().any()
+    torch.testing.assert_close(ref.double(), want, atol=1e-5, rtol=1e-5)
+    q, k, v = (x.to(DEVICE).requires_grad_() for x in (q, k, v))
+    out = flash_attention(q, k, v, causal=True)
+    out.backward(torch.ones_like(out))
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=True)
+    ref.backward(torch.ones_like(ref))
+    pol = policy.ATTENTION
+    assert_close(out, ref, torch.float32, pol, "output")
+    for name, got, want in (("dq", q.grad, q32.grad), ("dk", k.grad, k32.grad),
+                            ("dv", v.grad, v32.grad)):
+        assert_close(got, want, torch.float32, pol, name)
+
+
 @pytest.mark.parametrize("tokens, vocab, dtype", [(7, 2500, torch.float32), (16, 256, torch.float32),
                                                   (9, 515, torch.bfloat16)])
 def test_cross_entropy_matches_reference(tokens, vocab, dtype):
