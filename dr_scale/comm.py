@@ -7,7 +7,7 @@ in dr_scale goes through here (tests/test_comm.py checks that none calls torch.d
 directly), so a host-side total works on gloo and NCCL alike, and a tensor already on a served
 device is used in place, with no copy.
 """
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -79,10 +79,3 @@ def all_gather_object(obj, group=None) -> list:
     dist.all_gather_object(out, obj, group=group)
     return out
 
-
-def world_size(group=None) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def rank(group: Optional[object] = None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0

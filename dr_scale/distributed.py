@@ -38,7 +38,7 @@ def init_distributed():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
                       os.environ.get("WORLD_SIZE", "1"))
     if acc.device_name() == "cpu":
-        torch.set_num_threads(cpu_threads(local_world))
+        torch.set_num_threads(threads_per_rank(local_world)[0])
         device = torch.device("cpu")
     else:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -47,24 +47,17 @@ def init_distributed():
     return device, local_world
 
 
-def cpu_threads(local_world: int) -> int:
-    """Threads per CPU rank: DR_SCALE_THREADS_PER_RANK, else OMP_NUM_THREADS when the user (or
-    torchrun's default of 1) set it, else cores / ranks on this node (ranks share the cores;
-    more threads than cores makes gloo steps erratic)."""
+def threads_per_rank(local_world: int):
+    """(threads per CPU rank, where the figure came from, for the start line):
+    DR_SCALE_THREADS_PER_RANK, else OMP_NUM_THREADS when the user (or torchrun's default of 1)
+    set it, else cores / ranks on this node (ranks share the cores; more threads than cores
+    makes gloo steps erratic)."""
     for var in ("DR_SCALE_THREADS_PER_RANK", "OMP_NUM_THREADS"):
         value = os.environ.get(var, "").strip()
         if value.isdigit() and int(value) > 0:
-            return int(value)
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
-
-
-def threads_note(local_world: int) -> str:
-    """Where cpu_threads' figure came from, for the start line."""
-    for var in ("DR_SCALE_THREADS_PER_RANK", "OMP_NUM_THREADS"):
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return f"{var}={value}"
-    return f"{os.cpu_count()} cores / {local_world} rank(s) on this node"
+            return int(value), f"{var}={value}"
+    return (max(1, (os.cpu_count() or 1) // max(1, local_world)),
+            f"{os.cpu_count()} cores / {local_world} rank(s) on this node")
 
 
 def release_shm_names():

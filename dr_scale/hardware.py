@@ -23,17 +23,27 @@ class Bf16Support:
     why: str  # the evidence, said on the start line
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> FrozenSet[str]:
-    """The first processor's flags (empty where the file is missing: not Linux)."""
+def _cpuinfo(keys, path: str) -> str:
+    """The first processor's value of the first of `keys` present ("" where the file is missing:
+    not Linux)."""
     try:
         with open(path) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                if key.strip() in keys:
+                    return value.strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> FrozenSet[str]:
+    """The first processor's flags (empty where the file is missing: not Linux)."""
+    return frozenset(_cpuinfo(("flags", "Features"), path).split())
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    return _cpuinfo(("model name", "Model"), path) or "unknown cpu"
 
 
 def cpu_bf16_support(flags=None, env=None) -> Bf16Support:

@@ -18,7 +18,7 @@ from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.loader import build_sources, resolve_files
 from dr_scale.data.tokenizer import file_sha256
-from dr_scale.distributed import threads_note
+from dr_scale.distributed import threads_per_rank
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
 from dr_scale.kernels import ops
@@ -268,7 +268,8 @@ class StartLine:
                f"{describe_optimizer(self.ds, c.train)}; gradients reduced in "
                f"{dsc.reduction_dtype(self.ds)}, overlap_comm {str(overlap).lower()}")
         threads = "" if self.device.type != "cpu" else \
-            f"; {torch.get_num_threads()} thread(s) per rank ({threads_note(self.local_world)})"
+            f"; {torch.get_num_threads()} thread(s) per rank " \
+            f"({threads_per_rank(self.local_world)[1]})"
         yield f"peak (MFU's denominator): {self.facts.peak.value / 1e12:.3f} TFLOP/s per rank, " \
               f"{self.facts.peak.source}{threads}"
 

@@ -90,7 +90,13 @@ def test_threads_per_rank_respect_the_environment(monkeypatch):
     only when it is unset; DR_SCALE_THREADS_PER_RANK overrides both."""
     import os
 
-    from dr_scale.distributed import cpu_threads, threads_note
+    from dr_scale.distributed import threads_per_rank
+
+    def cpu_threads(n):
+        return threads_per_rank(n)[0]
+
+    def threads_note(n):
+        return threads_per_rank(n)[1]
 
     monkeypatch.delenv("DR_SCALE_THREADS_PER_RANK", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

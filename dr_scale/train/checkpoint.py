@@ -168,19 +168,22 @@ def saved_zero_family(tag_dir: Path) -> int:
 def saved_parallel_layout(tag_dir: Path) -> tuple:
     """(tensor_parallel, pipeline_parallel) the checkpoint was written with: from our rank-0
     state, or, in checkpoints older than that field, the tensor ranks of DeepSpeed's file names."""
-    # mmap: only the small "parallel" entry is read, not the RNG and callback (EMA) tensors
-    state = torch.load(tag_dir / STATE_FILE.format(rank=0), map_location="cpu", weights_only=True,
-                       mmap=True)
+    state = _rank0_state(tag_dir)
     if "parallel" in state:
         return state["parallel"]["tensor"], state["parallel"]["pipeline"]
     return max(1, len(tensor_ranks(tag_dir))), 1
 
 
 def saved_position(tag_dir: Path) -> tuple:
-    """(step, samples consumed) the checkpoint was written at (rank 0's state, mapped)."""
-    state = torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",
-                       weights_only=True, mmap=True)
+    """(step, samples consumed) the checkpoint was written at."""
+    state = _rank0_state(tag_dir)
     return int(state["step"]), int(state["consumed_samples"])
+
+
+def _rank0_state(tag_dir: Path) -> dict:
+    # mmap: only the small entries asked for are read, not the RNG and callback (EMA) tensors
+    return torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",
+                      weights_only=True, mmap=True)
 
 
 def saved_topology(tag_dir: Path) -> Topology:

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dr_scale.hardware import cpu_flags
+from dr_scale.hardware import cpu_bf16_support, cpu_model
 
 # Dense TFLOP/s by part, from the vendors' datasheets: (patterns all in the lowercased device
 # name, {precision: TFLOP/s}). First match wins, so a part precedes the parts its name contains
@@ -100,16 +100,10 @@ def _cache_file() -> Path:
 
 
 def _cpu_key(precision: str, gemm) -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    model = next((line.split(":", 1)[1].strip() for line in lines
-                  if line.startswith("model name")), "unknown cpu")
-    bf16 = "+".join(sorted(f for f in ("amx_bf16", "avx512_bf16") if f in cpu_flags())) or "none"
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    return (f"{model} | bf16 {bf16}{f' | isa {isa}' if isa else ''} | "
-            f"{torch.get_num_threads()} threads | {precision} | {_dims(gemm)}")
+    """The machine (model, and whether bf16 runs natively under any oneDNN cap), the threads, the
+    dtype and the shape: what the measured figure depends on."""
+    return (f"{cpu_model()} | {cpu_bf16_support().why} | {torch.get_num_threads()} threads | "
+            f"{precision} | {_dims(gemm)}")
 
 
 def _dims(gemm) -> str:
