@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dr_scale import comm
 from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
+from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import dataset_types
 from dr_scale.distributed import close_distributed, init_distributed, world_size_from_env
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
@@ -74,7 +75,8 @@ def run(args):
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
-    shape, kernels_line = select_kernels(shape, cfg.model, device.type, precision)
+    shape, kernels_line = select_kernels(shape, cfg.model, device.type, precision,
+                                         cfg.data.reset_positions)
     torch.manual_seed(cfg.train.seed)
     model = build_model(shape)
     if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
@@ -92,7 +94,8 @@ def run(args):
                            run_name=run_dir.name,
                            resume_step=-1 if fresh_over_old else resume_step)
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
-                      layout, run_dir, kernels_line)
+                      layout, run_dir, kernels_line,
+                      DocumentBoundaries.of(cfg.data, sources.tokenizer))
     for line in start.lines():
         logger.info(line)
 

@@ -172,21 +172,24 @@ def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
     return sources
 
 
-def select_kernels(shape, model_cfg, device_type: str, precision: str):
+def select_kernels(shape, model_cfg, device_type: str, precision: str,
+                   reset_positions: bool = False):
     """Settle `model.attention` (auto: the best available) and every op's implementation for this
-    process; returns the shape with a concrete attention name and the line that says the choices."""
+    process; returns the shape with a concrete attention name and the line that says the choices.
+    `reset_positions`: positions per token (packed documents), which not every rotary takes."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     unknown = sorted(set(model_cfg.kernels) - set(ops.OPS))
     if unknown:
         raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
     try:
-        line = ops.use_kernels(device_type, dtype, model_cfg.kernels)
+        line = ops.use_kernels(device_type, dtype, model_cfg.kernels,
+                               per_token_positions=reset_positions)
     except DrScaleError as e:
         raise DrScaleError(f"model.{e}") from None
     name = shape.attention
     try:
         kernel = select("attention", device_type, dtype, force=None if name == "auto" else name,
-                        head_dim=shape.head_dim)
+                        head_dim=shape.head_dim, dropout=shape.dropout)
     except DrScaleError as e:
         raise DrScaleError(f"model.attention: {str(e).split(': ', 1)[-1]}") from None
     shape = dataclasses.replace(shape, attention=kernel.name)
@@ -250,6 +253,7 @@ class StartLine:
     layout: dict
     run_dir: Path
     kernels_line: str
+    documents: object = None  # data.documents.DocumentBoundaries
 
     def lines(self):
         t, c, layout = self.topo, self.cfg, self.layout
@@ -263,6 +267,8 @@ class StartLine:
                f"{layout['global']} x {c.data.seq_length} tokens; run folder {self.run_dir}")
         if warning:
             yield warning
+        if self.documents is not None and self.documents.active:
+            yield self.documents.describe()
         overlap = self.ds.get("zero_optimization", {}).get("overlap_comm", False)
         yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {self.kernels_line}; "
                f"{describe_optimizer(self.ds, c.train)}; gradients reduced in "

@@ -35,28 +35,54 @@ def _apex_unavailable():
     return None
 
 
-def _head_dim_supported(head_dim=None, **_):
-    return None if head_dim is None or head_dim <= 128 else f"head_dim {head_dim} > 128"
+def _flash_supports(head_dim=None, dropout=0.0, **_):
+    if head_dim is not None and head_dim > 128:
+        return f"head_dim {head_dim} > 128"
+    if dropout:
+        return f"it has no attention dropout (model.dropout={dropout}); sdpa and eager have"
+    return None
 
 
 # -- attention -----------------------------------------------------------------------------------
 @register_kernel("attention", "triton_flash", priority=TRITON, devices=ANY, policy=P.ATTENTION,
-                 available=_triton_unavailable, supports=_head_dim_supported,
+                 available=_triton_unavailable, supports=_flash_supports,
                  auto_devices=TRITON_AUTO)
-def attention_triton(q, k, v, causal=True, dropout_p=0.0, training=False):
+def attention_triton(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=None):
     from dr_scale.kernels.triton import flash_attention
 
-    if dropout_p and training:
+    if dropout_p and training:  # selection refuses this pairing; a direct call still learns why
         raise ValueError("triton_flash has no attention dropout; use model.attention=sdpa")
-    return flash_attention(q, k, v, causal=causal)
+    return flash_attention(q, k, v, causal=causal, doc_ids=doc_ids)
 
 
 @register_kernel("attention", "sdpa", priority=TORCH + 1, devices=ANY, policy=P.ATTENTION)
-def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False):
-    """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                          dropout_p=dropout_p if training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=None):
+    """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively.
+
+    With `doc_ids` (packed documents) each document's run of the sequence is its own causal SDPA
+    call. Measured on the 2-core EPYC (avx512_bf16), 12 heads x 64, 2,048 tokens, forward +
+    backward: full causal 182 ms; one SDPA with the explicit (batch, 1, seq, seq) document mask
+    307 ms (CPU SDPA computes every masked block); flex_attention has no CPU backward in torch
+    2.13; per-document calls 61 ms with 8 documents, 152 ms with 64 (fp32; bf16 156 / 269 / 50 /
+    73 ms). The document lengths are read on the host (one sync per layer on a GPU, where `auto`
+    picks triton_flash, which takes the ids inside the kernel)."""
+    dropout = dropout_p if training else 0.0
+    gqa = k.shape[1] != q.shape[1]
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout,
+                                              enable_gqa=gqa)
+    rows = []
+    for b in range(q.shape[0]):
+        lengths = torch.unique_consecutive(doc_ids[b], return_counts=True)[1].tolist()
+        pieces, start = [], 0
+        for n in lengths:
+            part = slice(start, start + n)
+            pieces.append(F.scaled_dot_product_attention(
+                q[b:b + 1, :, part], k[b:b + 1, :, part], v[b:b + 1, :, part], is_causal=causal,
+                dropout_p=dropout, enable_gqa=gqa))
+            start += n
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 register_kernel("attention", "eager", priority=TORCH, devices=ANY,
@@ -128,8 +154,13 @@ register_kernel("bias_gelu", "torch", priority=TORCH, devices=ANY,
                 policy=P.ELEMENTWISE)(reference.bias_gelu)
 
 
+def _one_table_per_sequence(per_token_positions=False, **_):
+    return ("it takes one position table for the whole batch, not positions per token "
+            "(data.reset_positions)") if per_token_positions else None
+
+
 @register_kernel("rotary", "cuda_fused", priority=CUDA, devices=("cuda",), policy=P.ELEMENTWISE,
-                 available=_cuda_unavailable)
+                 available=_cuda_unavailable, supports=_one_table_per_sequence)
 def rotary_cuda(x, cos, sin):
     from dr_scale.kernels import cuda
 

@@ -15,13 +15,16 @@ _active = dict(_REFERENCES)
 _chosen: Dict[str, Kernel] = {}
 
 
-def use_kernels(device_type: str, dtype=None, forced: Optional[Dict[str, str]] = None) -> str:
+def use_kernels(device_type: str, dtype=None, forced: Optional[Dict[str, str]] = None,
+                **shape) -> str:
     """Choose every op's implementation: the forced name where given (one-line error if it cannot
-    run here), else the best available. Returns the line to print once at start."""
+    run here), else the best available that takes `shape` (facts of the run, such as
+    per_token_positions). Returns the line to print once at start."""
     forced = dict(forced or {})
     for op in OPS:
         choice = forced.get(op, "auto")
-        kernel = select(op, device_type, dtype, force=None if choice == "auto" else choice)
+        kernel = select(op, device_type, dtype, force=None if choice == "auto" else choice,
+                        **shape)
         _chosen[op] = kernel
         _active[op] = _checked(kernel)
     return describe(_chosen)

@@ -44,11 +44,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False):
+def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False,
+              doc_ids=None):
     """Eager attention. q: (B, H, Sq, D); k, v: (B, KVH, Sk, D) with H a multiple of KVH. The
     causal mask is top-left aligned, as torch SDPA's `is_causal` and our Triton kernel: query i
     sees keys 0..i (bottom-right alignment disagreed with both when Sq != Sk, and left rows with
-    no key at all, NaN, when Sq > Sk)."""
+    no key at all, NaN, when Sq > Sk). With `doc_ids` (B, S) (packed documents, Sq == Sk), query
+    i sees only keys of its own document."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -58,6 +60,9 @@ def attention(q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bo
         s_q, s_k = q.shape[-2], k.shape[-2]
         mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
+    if doc_ids is not None:
+        same = (doc_ids[:, :, None] == doc_ids[:, None, :]).unsqueeze(1)
+        scores = scores.masked_fill(~same, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if dropout_p and training:
         probs = F.dropout(probs, p=dropout_p)

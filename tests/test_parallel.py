@@ -228,3 +228,58 @@ def test_compile_refuses_what_it_cannot_combine_with():
         compile_blocks(model, 3, "none")
     with pytest.raises(DrScaleError, match="model.compile=true with parallel.activation_checkpointing"):
         compile_blocks(model, 1, "full")
+
+
+DOCUMENTS_APART = ["data.document_mask=true", "data.reset_positions=true"]
+
+
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory, cache_dir):
+    """data.* overrides for the bundled corpus cut into documents of two sentences (~30 tokens:
+    two or three boundaries in every 64-token sample; the bundled documents are whole chapters)."""
+    import gzip
+    import re
+
+    from dr_scale.data.corpus import CORPUS, bundled_data
+    from dr_scale.data.preprocess import preprocess
+    from dr_scale.data.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("short_docs")
+    chapters = [json.loads(line)["text"] for line in gzip.open(CORPUS, "rt")][:40]
+    sentences = [s for c in chapters for s in re.split(r"(?<=\.) ", c)]
+    with open(folder / "short.jsonl", "w") as f:
+        for i in range(0, len(sentences) - 1, 2):
+            f.write(json.dumps({"text": " ".join(sentences[i:i + 2])}) + "\n")
+    tokenizer, _ = bundled_data(cache_dir, 4096)
+    preprocess([folder / "short.jsonl"], Tokenizer(tokenizer), folder / "short", progress=False)
+    return [f"data.tokenizer={tokenizer}", f"data.datasets=[{{prefix: {folder / 'short'}}}]"]
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory, cache_dir, short_documents):
+    """The 1-rank run on short documents kept apart (attention and positions per document)."""
+    return run(tmp_path_factory.mktemp("ref_docs"), cache_dir, "ref_docs", 1, 1, 4,
+               *short_documents, *DOCUMENTS_APART, monitor=False)
+
+
+def test_documents_apart_under_tp_sp_pp_and_checkpointing(packed_reference, short_documents,
+                                                         tmp_path, cache_dir):
+    """Document masking and position resets change the run, and give the 1-rank losses, step-1
+    gradient norm and weights under TP 2 with sequence parallelism and selective recomputation
+    (attention recomputed with the document ids), and under 2 pipeline stages with full
+    recomputation (ids and positions carried from stage to stage)."""
+    want_losses, _, _, want_norm, want_weights, _, _ = packed_reference
+    crossing = run(tmp_path, cache_dir, "crossing", 1, 1, 4, *short_documents, monitor=False)
+    # masking is on: step 5's loss moves by ~4e-3 here, 60x the parity tolerance below
+    assert abs(crossing[0][-1] - want_losses[-1]) > 1e-3
+    for name, ranks, micro, extra in (
+            ("tp2_sp_docs", 2, 4, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true",
+                                   "parallel.activation_checkpointing=selective"]),
+            ("pp2_docs", 2, 2, ["parallel.pipeline_parallel=2",
+                                "parallel.activation_checkpointing=full"])):
+        losses, _, _, ds_norm, weights, _, _ = run(
+            tmp_path, cache_dir, name, 1, ranks, micro, *extra, *short_documents,
+            *DOCUMENTS_APART, monitor=False)
+        assert losses == pytest.approx(want_losses, rel=1e-5), name
+        assert ds_norm == pytest.approx(want_norm, rel=1e-5), name
+        assert_same_weights(weights, want_weights)

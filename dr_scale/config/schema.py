@@ -48,6 +48,9 @@ class DataConfig(Section):
     seq_length: int = field(256, min=8)
     valid_fraction: float = field(0.05, min=0.0, max=0.5)
     num_workers: int = field(0, min=0)
+    document_mask: bool = field(False, help="a token attends only to earlier tokens of its own "
+                                "packed document (end-of-document tokens mark the boundaries)")
+    reset_positions: bool = field(False, help="positions restart at each packed document")
     cache_dir: str = field("${env:DR_SCALE_CACHE,~/.cache/dr_scale}")
 
 

@@ -16,8 +16,8 @@ class GPT2Block(nn.Module):
         self.mlp = GeluMLP(shape.hidden_size, shape.ffn_hidden_size)
         self.drop = nn.Dropout(shape.dropout)
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln_1(x)))
+    def forward(self, x, doc_ids=None):
+        x = x + self.drop(self.attn(self.ln_1(x), doc_ids=doc_ids))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -37,11 +37,14 @@ class GPT2LMHeadModel(nn.Module):
             init_weights(self, shape.init_std, shape.num_layers)
         self.loss_function = causal_lm_loss
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None):
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None,
+                doc_ids: torch.Tensor = None, position_ids: torch.Tensor = None):
+        """As LlamaForCausalLM.forward; `position_ids` index the learned position table."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) \
+            if position_ids is None else position_ids
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.h:
-            x = block(x)
+            x = block(x, doc_ids)
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits

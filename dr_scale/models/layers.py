@@ -34,8 +34,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, seq_len: int):
-        return self.cos[:seq_len], self.sin[:seq_len]
+    def forward(self, seq_len: int, position_ids=None):
+        """Tables for positions 0..seq_len-1, (seq, head_dim); or, with `position_ids` (batch,
+        seq) (positions restarting at each packed document), per token, (batch, 1, seq,
+        head_dim), broadcasting over the heads."""
+        if position_ids is None:
+            return self.cos[:seq_len], self.sin[:seq_len]
+        return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
 
 
 class SelfAttention(nn.Module):
@@ -55,7 +60,8 @@ class SelfAttention(nn.Module):
                                                                             shape.attention)
         self.dropout = shape.dropout
 
-    def forward(self, x, rotary=None):
+    def forward(self, x, rotary=None, doc_ids=None):
+        """`doc_ids` (batch, seq), for packed documents: a token attends only to its own."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Head counts and length come from the projections' outputs: under tensor parallelism
         # each rank holds a slice of the heads, under sequence parallelism x is a slice of the
@@ -70,7 +76,9 @@ class SelfAttention(nn.Module):
         if self.attend is None:
             raise DrScaleError("model.attention=auto: settle it (run_setup.select_kernels) "
                                "before building a model to run")
-        out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training)
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids}
+        out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training,
+                          **extra)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -22,8 +22,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.mlp = SwiGLU(shape.hidden_size, shape.ffn_hidden_size)
 
-    def forward(self, x, rotary):
-        x = x + self.self_attn(self.input_layernorm(x), rotary)
+    def forward(self, x, rotary, doc_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, doc_ids)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -50,12 +50,15 @@ class LlamaForCausalLM(nn.Module):
             init_weights(self, shape.init_std, shape.num_layers)
         self.loss_function = causal_lm_loss
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None):
-        """Logits (batch, seq, vocab); with labels, the mean cross-entropy (fp32) instead."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None,
+                doc_ids: torch.Tensor = None, position_ids: torch.Tensor = None):
+        """Logits (batch, seq, vocab); with labels, the mean cross-entropy (fp32) instead.
+        Packed documents (data/documents.py): `doc_ids` keeps attention within each document,
+        `position_ids` restarts the rotary positions at each one."""
         x = self.model.embed_tokens(input_ids)
-        rotary = self.model.rotary(input_ids.shape[1])
+        rotary = self.model.rotary(input_ids.shape[1], position_ids)
         for layer in self.model.layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary, doc_ids)
         logits = self.lm_head(self.model.norm(x))
         if labels is None:
             return logits

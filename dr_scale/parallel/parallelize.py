@@ -70,7 +70,9 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path)
     if cfg.model.compile:                                                              # 4
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
     if topo.pipeline > 1:                                                              # 5
-        model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor)
+        model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor,
+                            document_mask=cfg.data.document_mask,
+                            reset_positions=cfg.data.reset_positions)
         if topo.tensor > 1:
             shard_pipeline_stages(model, shape, topo.tensor)
     return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

@@ -19,14 +19,19 @@ from dr_scale.kernels import ops
 
 
 class EmbeddingStage(nn.Module):
-    """The token embedding; built from the model's own weight (also the tied LM head's)."""
+    """The token embedding; built from the model's own weight (also the tied LM head's). With
+    packed documents kept apart its input is (tokens, document ids, positions), and the ids and
+    positions travel on beside the hidden states (data/documents.py)."""
 
     def __init__(self, weight: nn.Parameter):
         super().__init__()
         self.weight = weight
 
-    def forward(self, input_ids):
-        return F.embedding(input_ids, self.weight)
+    def forward(self, inputs):
+        if isinstance(inputs, tuple):
+            input_ids, doc_ids, position_ids = inputs
+            return F.embedding(input_ids, self.weight), doc_ids, position_ids
+        return F.embedding(inputs, self.weight)
 
 
 def tied_head(stage: EmbeddingStage, x):
@@ -34,14 +39,24 @@ def tied_head(stage: EmbeddingStage, x):
 
 
 class BlockStage(nn.Module):
-    """One decoder block; the rotary tables are buffers (no parameters), one copy per stage."""
+    """One decoder block; the rotary tables are buffers (no parameters), one copy per stage.
+    Given (hidden, document ids, positions) it applies what `mask` and `reset_positions` ask and
+    passes the ids and positions on, except from the last block (the final norm takes hidden
+    states only)."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module):
+    def __init__(self, block: nn.Module, rotary: nn.Module, mask=False, reset_positions=False,
+                 last=False):
         super().__init__()
         self.block, self.rotary = block, rotary
+        self.mask, self.reset_positions, self.last = mask, reset_positions, last
 
-    def forward(self, x):
-        return self.block(x, self.rotary(x.shape[1]))
+    def forward(self, inputs):
+        if not isinstance(inputs, tuple):
+            return self.block(inputs, self.rotary(inputs.shape[1]))
+        x, doc_ids, position_ids = inputs
+        rotary = self.rotary(x.shape[1], position_ids if self.reset_positions else None)
+        out = self.block(x, rotary, doc_ids if self.mask else None)
+        return out if self.last else (out, doc_ids, position_ids)
 
 
 def pipeline_loss(logits, labels):
@@ -49,7 +64,7 @@ def pipeline_loss(logits, labels):
 
 
 def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
-                checkpoint_every=0):
+                checkpoint_every=0, document_mask=False, reset_positions=False):
     """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM); with
     tensor_parallel > 1 its grid holds the tensor groups (parallel.tensor.shard_pipeline_stages
     then splits each stage's linears)."""
@@ -69,7 +84,9 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor
                              forward_fn=tied_head)
     else:
         embed, head = EmbeddingStage(body.embed_tokens.weight), model.lm_head
-    layers = [embed, *(BlockStage(b, body.rotary) for b in body.layers), body.norm, head]
+    last = len(body.layers) - 1
+    layers = [embed, *(BlockStage(b, body.rotary, document_mask, reset_positions, i == last)
+                       for i, b in enumerate(body.layers)), body.norm, head]
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
                                           num_dp=data_parallel)
     pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topo,

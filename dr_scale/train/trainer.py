@@ -8,6 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from dr_scale import comm
+from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
 from dr_scale.train import checkpoint
@@ -42,6 +43,7 @@ class Trainer:
         self.consumed_samples = 0  # the data position: samples read so far, on all ranks
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
         self.model_signature = engine.module.shape.weights_signature()
+        self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
@@ -116,10 +118,10 @@ class Trainer:
                 if batch.shape != last_shape:  # the stages keep their buffers' shapes otherwise
                     self.engine.reset_activation_shape()
                     last_shape = batch.shape
-                loss = self.engine.eval_batch(iter([(batch[:, :-1], batch[:, 1:])]),
+                loss = self.engine.eval_batch(iter([self._pipeline_sample(batch)]),
                                               num_micro_batches=1)
             else:
-                loss = self.engine(batch[:, :-1], batch[:, 1:])
+                loss = self._forward(batch)
             tokens = batch[:, 1:].numel()
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
         comm.all_reduce(totals)
@@ -165,7 +167,7 @@ class Trainer:
             for micro in range(0 if self.pipelined else self.layout["accum"]):
                 batch = next(batches).to(self.device, non_blocking=True)
                 with self._phase("forward"):
-                    loss = self.engine(batch[:, :-1], batch[:, 1:])
+                    loss = self._forward(batch)
                 self.last_loss = loss.detach()
                 with self._phase("backward"):
                     self.engine.backward(loss)
@@ -224,11 +226,23 @@ class Trainer:
         self._phase_s = dict.fromkeys(self._phase_s, 0.0)
         return out
 
+    def _forward(self, batch):
+        """The mean loss of a (micro, seq + 1) token batch: inputs, shifted labels, and where
+        packed documents begin when data.document_mask / data.reset_positions ask for it."""
+        inputs = batch[:, :-1]
+        return self.engine(inputs, batch[:, 1:], **self.documents.model_inputs(inputs))
+
+    def _pipeline_sample(self, batch):
+        """(inputs, labels) as the pipeline's first and last stages take them; with packed
+        documents the inputs are (tokens, document ids, positions), carried through every stage."""
+        return self.documents.pipeline_inputs(batch[:, :-1]), batch[:, 1:]
+
     def _pipeline_step(self, batches):
         micro = [next(batches).to(self.device, non_blocking=True)
                  for _ in range(self.layout["accum"])]
         with self._phase("pipeline_step"):
-            loss = self.engine.train_batch(data_iter=iter([(b[:, :-1], b[:, 1:]) for b in micro]))
+            loss = self.engine.train_batch(data_iter=iter([self._pipeline_sample(b)
+                                                           for b in micro]))
         self.last_loss = loss.detach()
         return loss.detach().float()
 

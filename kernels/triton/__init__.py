@@ -30,12 +30,12 @@ def _check_device(op, *tensors):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, causal, scale, doc_ids):
         from dr_scale.kernels.triton import attention_kernels as fa
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = fa.forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = fa.forward(q, k, v, causal, scale, doc_ids)
+        ctx.save_for_backward(q, k, v, o, lse, doc_ids)
         ctx.causal, ctx.scale = causal, scale
         return o
 
@@ -43,14 +43,29 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         from dr_scale.kernels.triton import attention_kernels as fa
 
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = fa.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, o, lse, doc_ids = ctx.saved_tensors
+        dq, dk, dv = fa.backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, doc_ids)
+        return dq, dk, dv, None, None, None
 
 
-def flash_attention(q, k, v, causal: bool = True, scale=None):
+def _checked_doc_ids(doc_ids, q, k, causal):
+    if doc_ids is None:
+        return None
+    b, seq = q.shape[0], q.shape[2]
+    if not causal or k.shape[2] != seq or tuple(doc_ids.shape) != (b, seq) or \
+            doc_ids.dtype.is_floating_point or doc_ids.device != q.device:
+        raise DrScaleError(f"flash_attention: doc_ids must be an integer tensor of shape (batch, "
+                           f"seq) = ({b}, {seq}) on {q.device}, with causal=True and as many keys "
+                           f"as queries; got {tuple(doc_ids.shape)} {doc_ids.dtype} on "
+                           f"{doc_ids.device}, causal={causal}, {k.shape[2]} keys")
+    return doc_ids.to(torch.int32).contiguous()
+
+
+def flash_attention(q, k, v, causal: bool = True, scale=None, doc_ids=None):
     """softmax(q k^T * scale [causal]) v. q: (batch, heads, seq_q, head_dim); k, v: (batch,
-    kv_heads, seq_k, head_dim) with heads a multiple of kv_heads; head_dim <= 128."""
+    kv_heads, seq_k, head_dim) with heads a multiple of kv_heads; head_dim <= 128. With
+    `doc_ids` ((batch, seq) integers, non-decreasing along the sequence: packed documents), a
+    query attends only to keys of its own document."""
     policy.ATTENTION.check("attention", "triton_flash", q, k, v)
     _check_device("attention", q)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
@@ -63,7 +78,9 @@ def flash_attention(q, k, v, causal: bool = True, scale=None):
                            f"same batch and head_dim, and heads a multiple of kv_heads")
     if d > 128:
         raise DrScaleError(f"flash_attention: head_dim {d} > 128 is not supported")
-    return _FlashAttention.apply(q, k, v, causal, d ** -0.5 if scale is None else float(scale))
+    doc_ids = _checked_doc_ids(doc_ids, q, k, causal)
+    return _FlashAttention.apply(q, k, v, causal, d ** -0.5 if scale is None else float(scale),
+                                 doc_ids)
 
 
 class _CrossEntropy(torch.autograd.Function):

@@ -7,6 +7,11 @@ sequence length (blocks are masked at the edges); head_dim up to 128 (non-powers
 the log-sum-exp of every row is kept for the backward pass, which recomputes the probabilities
 block by block instead of storing them.
 
+With document ids (packed sequences, `doc_ids` non-decreasing along the sequence) a query sees
+only keys of its own document; a query block starts at the first key block holding its first
+document and a key block stops at the last query of its last document, so blocks that share no
+document are never visited (at 2k tokens of 8 documents, 1/8 of the causal work).
+
 Backward runs as two kernels, one owning a block of keys (dK, dV: for grouped-query heads it
 walks every query head of its group, so no atomics are needed), one owning a block of queries (dQ).
 
@@ -24,10 +29,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
+def _fwd_kernel(Q, K, V, O, LSE, DOC, KV_LO, qk_scale,
                 s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_ob, s_oh, s_os,
-                H, GROUP, SQ, SK, HEAD_DIM,
-                CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                H, GROUP, SQ, SK, HEAD_DIM, NUM_M,
+                CAUSAL: tl.constexpr, DOCS: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -53,7 +58,11 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
     hi = SK
     if CAUSAL:
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if DOCS:  # key blocks before the first document of this query block are skipped
+        lo = tl.load(KV_LO + b * NUM_M + pid_m)
+        doc_q = tl.load(DOC + b * SQ + offs_m, mask=mask_m, other=-1)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < SK
         kt = tl.load(k_base + cols[None, :] * s_ks + offs_d[:, None],
@@ -64,8 +73,13 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
         valid = mask_n[None, :]
         if CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None])
+        if DOCS:
+            doc_k = tl.load(DOC + b * SK + cols, mask=mask_n, other=-2)
+            valid = valid & (doc_q[:, None] == doc_k[None, :])
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        if DOCS:  # a row may see no key of this block yet (its document starts later): keep
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # exp2(-inf - -inf) from NaN
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -75,6 +89,8 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if DOCS:  # rows past the sequence's end saw no key (their document id matches none)
+        l_i = tl.where(mask_m, l_i, 1.0)
     acc = acc / l_i[:, None]
     tl.store(LSE + pid_bh * SQ + offs_m, m_i + tl.log2(l_i), mask=mask_m)  # base 2
     tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_os + offs_d[None, :],
@@ -82,10 +98,10 @@ def _fwd_kernel(Q, K, V, O, LSE, qk_scale,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DOC, Q_HI, qk_scale, sm_scale,
                      s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs,
-                     KVH, GROUP, SQ, SK, HEAD_DIM,
-                     CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                     KVH, GROUP, SQ, SK, HEAD_DIM, NUM_N,
+                     CAUSAL: tl.constexpr, DOCS: tl.constexpr, UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One block of keys of one kv head; dO shares q's strides, dK/dV share k's."""
     pid_n = tl.program_id(0)
@@ -110,12 +126,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M  # earlier queries see none of these keys
+    hi = SQ
+    if DOCS:  # queries past the last document of this key block see none of these keys
+        hi = tl.load(Q_HI + b * NUM_N + pid_n)
+        doc_k = tl.load(DOC + b * SK + offs_n, mask=mask_n, other=-2)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
         q_base = Q + b * s_qb + h * s_qh
         do_base = DO + b * s_qb + h * s_qh
         row_base = (b * KVH * GROUP + h) * SQ
-        for start_m in range(lo, SQ, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             mask_m = offs_m < SQ
             q_mask = mask_m[:, None] & mask_d[None, :]
@@ -131,6 +151,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
             valid = mask_m[:, None] & mask_n[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            if DOCS:
+                doc_q = tl.load(DOC + b * SQ + offs_m, mask=mask_m, other=-1)
+                valid = valid & (doc_q[:, None] == doc_k[None, :])
             p = tl.where(valid, p, 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do)
             dp = tl.dot(do, tl.trans(v))
@@ -142,10 +165,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DOC, KV_LO, qk_scale, sm_scale,
                    s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs,
-                   H, GROUP, SQ, SK, HEAD_DIM,
-                   CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+                   H, GROUP, SQ, SK, HEAD_DIM, NUM_M,
+                   CAUSAL: tl.constexpr, DOCS: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One block of queries of one head; dO and dQ share q's strides."""
     pid_m = tl.program_id(0)
@@ -173,7 +196,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
     hi = SK
     if CAUSAL:
         hi = tl.minimum(SK, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if DOCS:
+        lo = tl.load(KV_LO + b * NUM_M + pid_m)
+        doc_q = tl.load(DOC + b * SQ + offs_m, mask=mask_m, other=-1)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         mask_n = offs_n < SK
         kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -186,6 +213,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
         valid = mask_m[:, None] & mask_n[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        if DOCS:
+            doc_k = tl.load(DOC + b * SK + offs_n, mask=mask_n, other=-2)
+            valid = valid & (doc_q[:, None] == doc_k[None, :])
         p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -207,22 +237,42 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def forward(q, k, v, causal: bool, sm_scale: float):
+def _key_starts(doc_ids, block_m: int, block_n: int):
+    """(batch, query blocks) int32: per query block, the first key block (as a key index) that
+    holds its first document; earlier keys belong to earlier documents only."""
+    first_docs = doc_ids[:, ::block_m].contiguous()
+    first_keys = torch.searchsorted(doc_ids, first_docs, right=False)
+    return ((first_keys // block_n) * block_n).to(torch.int32).contiguous()
+
+
+def _query_ends(doc_ids, block_n: int):
+    """(batch, key blocks) int32: per key block, one past the last query of its last document."""
+    seq = doc_ids.shape[1]
+    last = torch.arange(block_n - 1, seq + block_n - 1, block_n, device=doc_ids.device).clamp(
+        max=seq - 1)
+    last_docs = doc_ids[:, last].contiguous()
+    return torch.searchsorted(doc_ids, last_docs, right=True).to(torch.int32).contiguous()
+
+
+def forward(q, k, v, causal: bool, sm_scale: float, doc_ids=None):
+    """doc_ids: None, or (batch, seq) int32 non-decreasing (then seq_q == seq_k)."""
     B, H, SQ, D = q.shape
     KVH, SK = k.shape[1], k.shape[2]
     o = torch.empty_like(q)
     lse = torch.empty((B, H, SQ), device=q.device, dtype=torch.float32)
     BD = max(16, triton.next_power_of_2(D))
     BM, BN, warps, stages = _blocks(BD, backward=False)
+    docs = doc_ids is not None
+    kv_lo = _key_starts(doc_ids, BM, BN) if docs else lse  # any tensor: unread without DOCS
     grid = (triton.cdiv(SQ, BM), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, sm_scale * LOG2E, *_strides(q), *_strides(k),
-                      *_strides(v), *_strides(o), H, H // KVH, SQ, SK, D,
-                      CAUSAL=causal, UPCAST=INTERPRET, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
-                      num_warps=warps, num_stages=stages)
+    _fwd_kernel[grid](q, k, v, o, lse, doc_ids if docs else lse, kv_lo, sm_scale * LOG2E,
+                      *_strides(q), *_strides(k), *_strides(v), *_strides(o), H, H // KVH, SQ,
+                      SK, D, grid[0], CAUSAL=causal, DOCS=docs, UPCAST=INTERPRET, BLOCK_M=BM,
+                      BLOCK_N=BN, BLOCK_D=BD, num_warps=warps, num_stages=stages)
     return o, lse
 
 
-def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float):
+def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float, doc_ids=None):
     B, H, SQ, D = q.shape
     KVH, SK = k.shape[1], k.shape[2]
     do = do.contiguous()
@@ -231,13 +281,18 @@ def backward(do, q, k, v, o, lse, causal: bool, sm_scale: float):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     BD = max(16, triton.next_power_of_2(D))
     BM, BN, warps, stages = _blocks(BD, backward=True)
-    common = dict(CAUSAL=causal, UPCAST=INTERPRET, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD,
-                  num_warps=warps, num_stages=stages)
+    docs = doc_ids is not None
+    common = dict(CAUSAL=causal, DOCS=docs, UPCAST=INTERPRET, BLOCK_M=BM, BLOCK_N=BN,
+                  BLOCK_D=BD, num_warps=warps, num_stages=stages)
     strides = (*_strides(q), *_strides(k), *_strides(v))
-    _bwd_dkdv_kernel[(triton.cdiv(SK, BN), B * KVH)](
-        q, k, v, do, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, *strides,
-        KVH, H // KVH, SQ, SK, D, **common)
-    _bwd_dq_kernel[(triton.cdiv(SQ, BM), B * H)](
-        q, k, v, do, lse, delta, dq, sm_scale * LOG2E, sm_scale, *strides,
-        H, H // KVH, SQ, SK, D, **common)
+    doc = doc_ids if docs else lse
+    q_hi = _query_ends(doc_ids, BN) if docs else lse
+    kv_lo = _key_starts(doc_ids, BM, BN) if docs else lse
+    n_blocks, m_blocks = triton.cdiv(SK, BN), triton.cdiv(SQ, BM)
+    _bwd_dkdv_kernel[(n_blocks, B * KVH)](
+        q, k, v, do, lse, delta, dk, dv, doc, q_hi, sm_scale * LOG2E, sm_scale, *strides,
+        KVH, H // KVH, SQ, SK, D, n_blocks, **common)
+    _bwd_dq_kernel[(m_blocks, B * H)](
+        q, k, v, do, lse, delta, dq, doc, kv_lo, sm_scale * LOG2E, sm_scale, *strides,
+        H, H // KVH, SQ, SK, D, m_blocks, **common)
     return dq, dk, dv
