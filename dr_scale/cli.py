@@ -20,18 +20,20 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_tokenizer(a):
     from dr_scale.data.preprocess import iter_documents
-    from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer, train_bpe_tokenizer, train_tokenizer
 
-    model = train_tokenizer(iter_documents(a.input, a.json_key), a.out, a.vocab_size)
-    tok = Tokenizer(model)
-    print(f"wrote {model} (vocab {tok.vocab_size}, end-of-document id {tok.eod_id})")
+    train = train_bpe_tokenizer if a.type == "bpe" else train_tokenizer
+    model = train(iter_documents(a.input, a.json_key), a.out, a.vocab_size)
+    tok = load_tokenizer(model)
+    print(f"wrote {model} ({tok.kind}, vocab {tok.vocab_size}, end-of-document "
+          f"{tok.eod_token!r} id {tok.eod_id})")
 
 
 def cmd_preprocess(a):
     from dr_scale.data.preprocess import preprocess
-    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer
 
-    meta = preprocess(a.input, Tokenizer(a.tokenizer), a.out, a.json_key)
+    meta = preprocess(a.input, load_tokenizer(a.tokenizer), a.out, a.json_key)
     print(f"wrote {a.out}.bin/.idx: {meta['documents']:,} documents, {meta['tokens']:,} tokens")
 
 
@@ -40,7 +42,7 @@ def cmd_export(a):
 
     from dr_scale.export.consolidate import consolidated_state_dict, run_shape
     from dr_scale.export.hf import write_folder
-    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer, tokenizer_file_in
     from dr_scale.train.checkpoint import find_tag
 
     run_dir = Path(a.run_dir)
@@ -56,8 +58,10 @@ def cmd_export(a):
         state = ema_state_dict(ckpt_dir / tag, shape)
     else:
         state = consolidated_state_dict(ckpt_dir, tag, shape)
-    tok = Tokenizer(run_dir / "tokenizer.model")
-    write_folder(out, state, shape, tok.path, tok.eod_id)
+    tok_file = tokenizer_file_in(run_dir)
+    if tok_file is None:
+        raise DrScaleError(f"{run_dir}: no tokenizer.model or tokenizer.json (not a run folder?)")
+    write_folder(out, state, shape, load_tokenizer(tok_file))
     print(f"wrote {out} (Hugging Face LlamaForCausalLM) from {ckpt_dir / tag}")
 
 
@@ -127,16 +131,20 @@ def cmd_bench(argv):
 def build_parser():
     p = _Parser(prog="dr-scale", description="dr_scale side jobs")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("tokenizer", help="train a sentencepiece BPE tokenizer on raw text")
+    t = sub.add_parser("tokenizer", help="train a tokenizer on raw text")
     t.add_argument("--input", nargs="+", required=True, help=".txt/.jsonl files (.gz too)")
-    t.add_argument("--out", required=True, help="output prefix (writes PREFIX.model)")
+    t.add_argument("--type", choices=["sentencepiece", "bpe"], default="sentencepiece",
+                   help="sentencepiece: BPE with byte fallback (PREFIX.model); bpe: Hugging Face "
+                   "byte-level BPE, as GPT-2 / Llama-3 (PREFIX.json, a tokenizer.json)")
+    t.add_argument("--out", required=True, help="output prefix (writes PREFIX.model or .json)")
     t.add_argument("--vocab_size", type=int, default=32000)
     t.add_argument("--json_key", default="text")
     t.set_defaults(fn=cmd_tokenizer)
     pp = sub.add_parser("preprocess", help="tokenize text into a .bin/.idx dataset")
     pp.add_argument("--input", nargs="+", required=True, help=".txt (one document a file) or "
                     ".jsonl (one document a line) files, .gz too")
-    pp.add_argument("--tokenizer", required=True, help="sentencepiece .model")
+    pp.add_argument("--tokenizer", required=True, help="sentencepiece .model, Hugging Face "
+                    "tokenizer.json, or a folder holding one")
     pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin/.idx)")
     pp.add_argument("--json_key", default="text")
     pp.set_defaults(fn=cmd_preprocess)

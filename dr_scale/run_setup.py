@@ -17,7 +17,7 @@ from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.loader import build_sources, resolve_files
-from dr_scale.data.tokenizer import file_sha256
+from dr_scale.data.tokenizer import file_sha256, tokenizer_file_in
 from dr_scale.distributed import threads_per_rank
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
@@ -164,7 +164,7 @@ def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
     train_samples = consumed + max(0, t.max_steps - step) * layout["global"]
     sources = build_sources(cfg.data, t.seed, train_samples=train_samples,
                             eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
-    used = resumed_run_dir / "tokenizer.model" if resumed_run_dir else None
+    used = tokenizer_file_in(resumed_run_dir) if resumed_run_dir else None
     if used is not None and used.is_file() and file_sha256(used) != sources.tokenizer.sha256:
         given = cfg.data.tokenizer or "the tokenizer trained on the bundled corpus"
         raise DrScaleError(f"{used}: the run was trained with this tokenizer, but the resumed "
@@ -233,7 +233,7 @@ def write_run_snapshot(run_dir: Path, resume: bool, cfg, ds, topo, local_world, 
                               for d, w in zip(sources.train.datasets, sources.train.weights)]},
         "batch": layout, "peak_flops": {"value": facts.peak.value, "source": facts.peak.source}})
     if not resume:
-        shutil.copyfile(sources.tokenizer.path, run_dir / "tokenizer.model")
+        shutil.copyfile(sources.tokenizer.path, run_dir / sources.tokenizer.file_name)
 
 
 @dataclass

@@ -26,7 +26,7 @@ def errors_of(proc):
     (["--ds_config", "zero3", "train.micro_batch_size=3", "train.global_batch_size=8"],
      "train.global_batch_size=8 is not a multiple of train.micro_batch_size=3 x data-parallel size 1 = 3"),
     (["--ds_config", "zero3", "data.tokenizer=/nope/tok.model", "data.datasets=[{prefix: /nope/d}]"],
-     "/nope/tok.model: tokenizer model not found"),
+     "/nope/tok.model: tokenizer not found"),
     (["--ds_config", "zero3", "data.seq_length=4096"],
      "data.seq_length=4096 exceeds model.max_seq_length=1024"),
 ])
@@ -61,7 +61,7 @@ def dr_scale_cli(*args):
 
 
 def test_console_script_errors(tmp_path):
-    assert "/nope.model: tokenizer model not found" in errors_of(
+    assert "/nope.model: tokenizer not found" in errors_of(
         dr_scale_cli("preprocess", "--input", "x.jsonl", "--tokenizer", "/nope.model", "--out", tmp_path / "o"))
     assert "command line: the following arguments are required: --out" in errors_of(
         dr_scale_cli("tokenizer", "--input", "x.txt"))
@@ -79,9 +79,9 @@ def test_console_script_tokenizer_then_preprocess(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "wrote" in out.stdout and "1 documents" in out.stdout
     from dr_scale.data.indexed import IndexedDataset
-    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer
 
-    tok = Tokenizer(tmp_path / "tok.model")
+    tok = load_tokenizer(tmp_path / "tok.model")
     ds = IndexedDataset(tmp_path / "corpus")
     assert tok.decode(ds.document(0)[:-1]) == src.read_text()
 

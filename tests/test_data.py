@@ -10,7 +10,7 @@ from dr_scale.data.dataset import PackedSequenceDataset, SampleStream, blend_sch
 from dr_scale.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from dr_scale.data.loader import StepBatchSampler
 from dr_scale.data.preprocess import preprocess
-from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
+from dr_scale.data.tokenizer import load_tokenizer, train_tokenizer
 from dr_scale.errors import DrScaleError
 
 TEXT = ["In the beginning God created the heaven and the earth.",
@@ -24,7 +24,7 @@ def tokenizer(tmp_path_factory):
     from dr_scale.data.preprocess import iter_documents
 
     out = tmp_path_factory.mktemp("tok") / "tok"
-    return Tokenizer(train_tokenizer(iter_documents([CORPUS]), out, 1000))
+    return load_tokenizer(train_tokenizer(iter_documents([CORPUS]), out, 1000))
 
 
 def test_tokenizer_round_trip_is_lossless(tokenizer):
@@ -36,12 +36,12 @@ def test_tokenizer_round_trip_is_lossless(tokenizer):
 
 
 def test_tokenizer_bad_files(tmp_path):
-    with pytest.raises(DrScaleError, match=r"missing\.model: tokenizer model not found"):
-        Tokenizer(tmp_path / "missing.model")
+    with pytest.raises(DrScaleError, match=r"missing\.model: tokenizer not found"):
+        load_tokenizer(tmp_path / "missing.model")
     bad = tmp_path / "bad.model"
     bad.write_bytes(b"not a model")
     with pytest.raises(DrScaleError, match=r"bad\.model: not a sentencepiece model"):
-        Tokenizer(bad)
+        load_tokenizer(bad)
 
 
 def test_empty_corpus_is_one_line_error(tmp_path, tokenizer):
@@ -81,7 +81,7 @@ def test_preprocess_round_trip(tmp_path, tokenizer):
 
 
 def test_dataset_made_with_another_tokenizer_is_refused(tmp_path, tokenizer):
-    other = Tokenizer(train_tokenizer(iter(TEXT * 5), tmp_path / "other", 400))
+    other = load_tokenizer(train_tokenizer(iter(TEXT * 5), tmp_path / "other", 400))
     preprocess([_jsonl(tmp_path, TEXT)], other, tmp_path / "c", progress=False)
     with pytest.raises(DrScaleError, match=r"c\.meta\.json: dataset was made with tokenizer .* re-run `dr-scale preprocess`"):
         IndexedDataset(tmp_path / "c").check_tokenizer(tokenizer)

@@ -51,11 +51,11 @@ def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path):
         a, b = ours(ids), hf(ids).logits
     assert (a - b).abs().max().item() < 1e-4  # fp32 both; attention kernels differ in order
     # The tokenizer transformers loads gives the ids ours gives.
-    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer
 
     text = "And God said, Let there be light: and there was light.\nNew line\tand tab."
     assert AutoTokenizer.from_pretrained(str(out)).encode(text, add_special_tokens=False) == \
-        Tokenizer(trained_run / "tokenizer.model").encode(text)
+        load_tokenizer(trained_run / "tokenizer.model").encode(text)
 
 
 def test_import_of_a_transformers_llama_matches_its_logits(tmp_path):

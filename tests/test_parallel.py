@@ -242,7 +242,7 @@ def short_documents(tmp_path_factory, cache_dir):
 
     from dr_scale.data.corpus import CORPUS, bundled_data
     from dr_scale.data.preprocess import preprocess
-    from dr_scale.data.tokenizer import Tokenizer
+    from dr_scale.data.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("short_docs")
     chapters = [json.loads(line)["text"] for line in gzip.open(CORPUS, "rt")][:40]
@@ -251,7 +251,7 @@ def short_documents(tmp_path_factory, cache_dir):
         for i in range(0, len(sentences) - 1, 2):
             f.write(json.dumps({"text": " ".join(sentences[i:i + 2])}) + "\n")
     tokenizer, _ = bundled_data(cache_dir, 4096)
-    preprocess([folder / "short.jsonl"], Tokenizer(tokenizer), folder / "short", progress=False)
+    preprocess([folder / "short.jsonl"], load_tokenizer(tokenizer), folder / "short", progress=False)
     return [f"data.tokenizer={tokenizer}", f"data.datasets=[{{prefix: {folder / 'short'}}}]"]
 
 

@@ -42,7 +42,9 @@ class DatasetSpec(Section):
 
 @dataclass
 class DataConfig(Section):
-    tokenizer: Optional[str] = field(None, help="sentencepiece .model; null: trained on the corpus")
+    tokenizer: Optional[str] = field(None, help="sentencepiece .model, Hugging Face "
+                                     "tokenizer.json, or a folder with one; null: trained on "
+                                     "the corpus")
     tokenizer_vocab_size: int = field(4096, min=64, help="when a tokenizer is trained")
     datasets: List[DatasetSpec] = field(factory=list, help="empty: the bundled corpus")
     seq_length: int = field(256, min=8)

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from dr_scale.data.preprocess import iter_documents, preprocess
-from dr_scale.data.tokenizer import Tokenizer, train_tokenizer
+from dr_scale.data.tokenizer import SENTENCEPIECE_FILE, load_tokenizer, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "kjv_selection.jsonl.gz"
 _BUILD_VERSION = "2"  # bump when the build below changes what it writes
@@ -21,29 +21,31 @@ def _key(*parts) -> str:
 
 
 def bundled_data(cache_dir, vocab_size: int, tokenizer_path=None):
-    """(tokenizer .model path, dataset prefix) for the bundled corpus, built once and cached.
+    """(tokenizer file, dataset prefix) for the bundled corpus, built once and cached: with a
+    sentencepiece tokenizer trained on it, or tokenized with `tokenizer_path` (either kind).
 
     The build happens in a private temporary folder renamed into place, so concurrent builders
     (ranks on several nodes sharing a file system) never see a half-written cache.
     """
     cache_dir = Path(os.path.expanduser(cache_dir))
-    tok_sha = Tokenizer(tokenizer_path).sha256 if tokenizer_path else None
-    key = _key(_BUILD_VERSION, CORPUS.read_bytes(), vocab_size, tok_sha)
+    given = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    key = _key(_BUILD_VERSION, CORPUS.read_bytes(), vocab_size, given and given.sha256)
     final = cache_dir / f"bundled-{key}"
+    tokenizer_name = given.file_name if given else SENTENCEPIECE_FILE
     if not (final / "DONE").exists():
         tmp = cache_dir / f".bundled-{key}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         t0 = time.time()
-        if tokenizer_path is None:
+        if given is None:
             model = train_tokenizer(iter_documents([CORPUS]), tmp / "tokenizer", vocab_size)
         else:
-            model = tmp / "tokenizer.model"
-            shutil.copyfile(tokenizer_path, model)
-        preprocess([CORPUS], Tokenizer(model), tmp / "corpus", progress=False)
+            model = tmp / tokenizer_name
+            shutil.copyfile(given.path, model)
+        preprocess([CORPUS], load_tokenizer(model), tmp / "corpus", progress=False)
         (tmp / "DONE").write_text(f"built in {time.time() - t0:.1f}s\n")
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first; theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
-    return final / "tokenizer.model", final / "corpus"
+    return final / tokenizer_name, final / "corpus"

@@ -7,14 +7,14 @@ import torch
 from dr_scale.data.corpus import bundled_data
 from dr_scale.data.dataset import SampleStream, split_documents
 from dr_scale.data.indexed import IndexedDataset
-from dr_scale.data.tokenizer import Tokenizer
+from dr_scale.data.tokenizer import load_tokenizer
 from dr_scale.errors import DrScaleError
 from dr_scale.registry import DATASET_REGISTRY
 
 
 @dataclass
 class DataSources:
-    tokenizer: Tokenizer
+    tokenizer: object  # data.tokenizer.load_tokenizer: sentencepiece or Hugging Face
     train: SampleStream
     valid: SampleStream
 
@@ -47,7 +47,7 @@ def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
                   tokenizer_path=None, specs=None) -> DataSources:
     if tokenizer_path is None:
         tokenizer_path, specs = resolve_files(data_cfg)
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     train_sets, valid_sets, weights, valid_weights = [], [], [], []
     for prefix, weight, kind in specs:
         make = DATASET_REGISTRY.get(kind)  # builder(indexed, doc ids, seq_length, seed, name)

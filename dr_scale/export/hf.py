@@ -9,6 +9,7 @@ from typing import Dict
 
 import torch
 
+from dr_scale.data.tokenizer import tokenizer_file_in
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.registry import MODEL_REGISTRY
@@ -41,9 +42,10 @@ def shape_from_hf(config: dict, source: str) -> dict:
                        f"{known}")
 
 
-def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, tokenizer_model,
-                 eod_id: int, dtype=torch.float32):
-    """config.json, model.safetensors (tied head stored once) and the sentencepiece tokenizer."""
+def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, tokenizer,
+                 dtype=torch.float32):
+    """config.json, model.safetensors (tied head stored once) and the run's tokenizer (a
+    data.tokenizer.load_tokenizer object)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -51,21 +53,28 @@ def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, t
     if shape.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    cfg = hf_config(shape, eod_id)
+    cfg = hf_config(shape, tokenizer.eod_id)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tokenizer(out, tokenizer_model, eod_id)
+    write_tokenizer(out, tokenizer)
 
 
-def write_tokenizer(out: Path, tokenizer_model, eod_id: int):
-    """The sentencepiece model, and transformers' tokenizer.json converted from it (so a reader
-    needs no sentencepiece). Ids agree with ours except that transformers folds a leading space
-    of the whole text into the dummy prefix."""
+def write_tokenizer(out: Path, tokenizer):
+    """A Hugging Face tokenizer.json as it is, with a tokenizer_config.json naming its end of
+    text; a sentencepiece model, and transformers' tokenizer.json converted from it (so a reader
+    needs no sentencepiece). Sentencepiece ids agree with ours except that transformers folds a
+    leading space of the whole text into the dummy prefix."""
     import shutil
 
     from transformers import AutoTokenizer
 
-    shutil.copyfile(tokenizer_model, out / "tokenizer.model")
+    if tokenizer.kind == "huggingface":
+        shutil.copyfile(tokenizer.path, out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eod_token,
+            "add_bos_token": False, "add_eos_token": False}) + "\n")
+        return
+    shutil.copyfile(tokenizer.path, out / "tokenizer.model")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "add_bos_token": False, "add_eos_token": False,
         "legacy": False, "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}) + "\n")
@@ -110,8 +119,8 @@ def apply_init_from(cfg):
         elif mine != value:
             raise DrScaleError(f"model.{key}={mine} disagrees with {folder / CONFIG_FILE} "
                                f"({value}); remove it from the config or pick another folder")
-    if cfg.data.tokenizer is None and (folder / "tokenizer.model").is_file():
-        cfg.data.tokenizer = str(folder / "tokenizer.model")
+    if cfg.data.tokenizer is None and tokenizer_file_in(folder) is not None:
+        cfg.data.tokenizer = str(tokenizer_file_in(folder))
     return state
 
 

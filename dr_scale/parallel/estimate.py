@@ -141,9 +141,9 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> Mem
 
     vocab = None  # the preset's (or model.vocab_size), unless a tokenizer file is named
     if cfg.model.vocab_size is None and cfg.data.tokenizer:
-        from dr_scale.data.tokenizer import Tokenizer
+        from dr_scale.data.tokenizer import load_tokenizer
 
-        vocab = Tokenizer(cfg.data.tokenizer).vocab_size
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     shape = resolve_shape(cfg.model, vocab)
     zero = ds.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none") == "cpu"
