@@ -28,14 +28,17 @@ setup(
         "pyyaml>=6",
         "matplotlib>=3.7",
         "psutil>=5.9",
+        "tokenizers>=0.15",
     ],
     extras_require={
         "tensorboard": ["tensorboard>=2.14"],
         "wandb": ["wandb>=0.16"],
         "megatron": ["megatron-core>=0.9"],
         "triton": ["triton>=3.0"],
+        # .zst and Parquet inputs to `dr-scale preprocess`
+        "data": ["zstandard>=0.22", "pyarrow>=14"],
         "dev": ["pytest>=8", "hypothesis>=6", "triton>=3.0", "tensorboard>=2.14", "wandb>=0.16", "transformers>=4.40",
-                "safetensors>=0.4"],
+                "safetensors>=0.4", "zstandard>=0.22", "pyarrow>=14"],
     },
     entry_points={"console_scripts": ["dr-scale=dr_scale.cli:main"]},
 )

@@ -147,7 +147,7 @@ def test_resume_with_another_tokenizer_is_refused(reference, short_run, cache_di
     import shutil
 
     from dr_scale.data.corpus import CORPUS
-    from dr_scale.data.preprocess import iter_documents
+    from dr_scale.data.text_files import iter_documents
     from dr_scale.data.tokenizer import train_tokenizer
 
     ds, _ = reference

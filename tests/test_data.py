@@ -21,7 +21,7 @@ TEXT = ["In the beginning God created the heaven and the earth.",
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from dr_scale.data.corpus import CORPUS
-    from dr_scale.data.preprocess import iter_documents
+    from dr_scale.data.text_files import iter_documents
 
     out = tmp_path_factory.mktemp("tok") / "tok"
     return load_tokenizer(train_tokenizer(iter_documents([CORPUS]), out, 1000))

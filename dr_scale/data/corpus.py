@@ -5,7 +5,8 @@ import shutil
 import time
 from pathlib import Path
 
-from dr_scale.data.preprocess import iter_documents, preprocess
+from dr_scale.data.preprocess import preprocess
+from dr_scale.data.text_files import iter_documents
 from dr_scale.data.tokenizer import SENTENCEPIECE_FILE, load_tokenizer, train_tokenizer
 
 CORPUS = Path(__file__).resolve().parent / "corpus" / "kjv_selection.jsonl.gz"

@@ -42,18 +42,39 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         self._tmp_bin = self.bin_path.with_name(self.bin_path.name + f".tmp{os.getpid()}")
         self._bin = open(self._tmp_bin, "wb")
-        self.sizes = []
+        self._sizes = []  # document lengths: python ints and, from add_dataset, arrays
 
     def add_document(self, tokens):
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
-        self.sizes.append(arr.size)
+        self._sizes.append(arr.size)
+
+    def add_dataset(self, prefix):
+        """Append every document of another .bin/.idx of the same token dtype (a merge)."""
+        import shutil
+
+        part = IndexedDataset(prefix)
+        if part.dtype != self.dtype:
+            raise DrScaleError(f"{part.idx_path}: tokens are {part.dtype}, expected {self.dtype}")
+        with open(part.bin_path, "rb") as f:
+            shutil.copyfileobj(f, self._bin, 16 << 20)
+        self._sizes.append(np.asarray(part.sizes, dtype=np.int32))
+
+    @property
+    def sizes(self) -> np.ndarray:
+        parts = [np.asarray(s, dtype=np.int32).reshape(-1) for s in self._sizes]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+    def abandon(self):
+        """Close and delete the temporary file (nothing appears under the real names)."""
+        self._bin.close()
+        self._tmp_bin.unlink(missing_ok=True)
 
     def finalize(self, meta: Optional[dict] = None):
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        sizes = np.asarray(self.sizes, dtype=np.int32)
+        sizes = self.sizes
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             pointers[1:] = np.cumsum(sizes[:-1], dtype=np.int64) * self.dtype.itemsize

@@ -92,7 +92,8 @@ class SentencePieceTokenizer:
         return self.sp.EncodeAsIds(text)
 
     def encode_batch(self, texts: List[str]) -> List[List[int]]:
-        return self.sp.Encode(texts, out_type=int)
+        # one thread: preprocessing's parallelism is its worker processes
+        return self.sp.Encode(texts, out_type=int, num_threads=1)
 
     def decode(self, ids) -> str:
         return self.sp.DecodeIds([int(i) for i in ids])
@@ -150,7 +151,9 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: List[str]) -> List[List[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        # one call a text, one thread (the library's encode_batch would start a thread per core):
+        # preprocessing's parallelism is its worker processes
+        return [self.tok.encode(t, add_special_tokens=False).ids for t in texts]
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
