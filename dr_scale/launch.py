@@ -96,7 +96,7 @@ def run(args):
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
                       layout, run_dir, kernels_line,
                       DocumentBoundaries.of(cfg.data, sources.tokenizer))
-    for line in start.lines():
+    for line in [*start.lines(), *(f"warning: {w}" for w in sources.warnings)]:
         logger.info(line)
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, cfg.train))

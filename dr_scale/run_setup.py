@@ -151,19 +151,24 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
 
 
 def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
-    """Tokenizer + train/held-out streams; local rank 0 builds the first-use cache alone. A
-    resumed run must keep its tokenizer; `resume_at` (step, samples consumed) sizes the stream
-    for the steps left at this run's global batch."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    files = resolve_files(cfg.data) if local_rank == 0 else None
-    comm.barrier()
-    if files is None:
-        files = resolve_files(cfg.data)
+    """Tokenizer + train/held-out streams. Local rank 0 builds what is built once (the bundled
+    corpus on first use, the sample index caches) while the node's other ranks wait, then they
+    map what it wrote. A resumed run must keep its tokenizer; `resume_at` (step, samples
+    consumed) sizes the stream for the steps left at this run's global batch."""
     t = cfg.train
     step, consumed = resume_at
     train_samples = consumed + max(0, t.max_steps - step) * layout["global"]
-    sources = build_sources(cfg.data, t.seed, train_samples=train_samples,
-                            eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1])
+
+    def sources_here(builder: bool):
+        files = resolve_files(cfg.data)
+        return build_sources(cfg.data, t.seed, train_samples=train_samples,
+                             eval_samples=t.eval_samples, tokenizer_path=files[0], specs=files[1],
+                             build_index=builder)
+    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    sources = sources_here(True) if builder else None
+    comm.barrier()
+    if sources is None:
+        sources = sources_here(False)
     used = tokenizer_file_in(resumed_run_dir) if resumed_run_dir else None
     if used is not None and used.is_file() and file_sha256(used) != sources.tokenizer.sha256:
         given = cfg.data.tokenizer or "the tokenizer trained on the bundled corpus"

@@ -146,14 +146,14 @@ def test_packing_covers_the_token_stream_exactly(tmp_path):
     ds = IndexedDataset(_make(tmp_path, docs))
     ids = np.arange(len(docs))
     packed = PackedSequenceDataset(ds, ids, seq_length=16, seed=3, name="t")
-    stream = np.concatenate([ds.document(i) for i in packed.doc_ids])
+    stream = np.concatenate([ds.document(i) for i in packed.sequence_order])
     assert len(packed) == (len(stream) - 1) // 16
     for i in range(len(packed)):
         np.testing.assert_array_equal(packed[i], stream[i * 16:i * 16 + 17])
     # The document order depends on the seed, and only on it.
     other = PackedSequenceDataset(ds, ids, 16, seed=4, name="t")
-    assert list(other.doc_ids) != list(packed.doc_ids)
-    assert list(PackedSequenceDataset(ds, ids, 16, seed=3, name="t").doc_ids) == list(packed.doc_ids)
+    assert list(other.sequence_order) != list(packed.sequence_order)
+    assert list(PackedSequenceDataset(ds, ids, 16, seed=3, name="t").sequence_order) == list(packed.sequence_order)
 
 
 def test_too_short_split_is_named(tmp_path):
@@ -249,3 +249,39 @@ def test_dataset_type_picks_the_registered_builder(tmp_path, tokenizer):
             sources("pakced")
     finally:
         DATASET_REGISTRY._items.pop("reversed_for_test")  # the test's own type only
+
+
+def test_index_cache_is_built_once_and_read_by_the_other_ranks(tmp_path, tokenizer):
+    """The builder (local rank 0) writes the sample index beside the data, keyed by what it
+    depends on; a reader maps it and gets the samples an in-memory build gives; building again
+    rewrites nothing; another seq_length gets its own entry; a reader without one is one line."""
+    from dr_scale.config import load_config
+    from dr_scale.data.loader import build_sources, resolve_files
+
+    preprocess([_jsonl(tmp_path, TEXT)], tokenizer, tmp_path / "c", progress=False)
+
+    def sources(build, seq=16):
+        cfg = load_config(None, [f"data.tokenizer={tokenizer.path}", f"data.seq_length={seq}",
+                                 f"data.datasets=[{{prefix: {tmp_path / 'c'}}}]",
+                                 f"data.cache_dir={tmp_path / 'cache'}"])
+        tok, specs = resolve_files(cfg.data)
+        return build_sources(cfg.data, 7, 40, 4, tok, specs, build_index=build)
+
+    with pytest.raises(DrScaleError, match=r"not in the index cache \(local rank 0 builds it"):
+        sources(False)
+    built = sources(True)
+    arrays = sorted((tmp_path / "c.index").rglob("*.npy"))
+    assert len(arrays) >= 8 and len(list((tmp_path / "c.index").iterdir())) == 1
+    stamps = {p: p.stat().st_mtime_ns for p in arrays}
+    read = sources(False)
+    data = IndexedDataset(tmp_path / "c")
+    train_ids, _ = split_documents(data.num_documents, 0.05, 7, "c")
+    in_memory = SampleStream([PackedSequenceDataset(data, train_ids, 16, 7, "c")], [1.0], 7, 40)
+    for p in range(40):
+        want = np.asarray(in_memory[p])
+        np.testing.assert_array_equal(np.asarray(built.train[p]), want)
+        np.testing.assert_array_equal(np.asarray(read.train[p]), want)
+    sources(True)
+    assert {p: p.stat().st_mtime_ns for p in arrays} == stamps  # nothing rebuilt
+    sources(True, seq=32)
+    assert len(list((tmp_path / "c.index").iterdir())) == 2

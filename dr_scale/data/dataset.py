@@ -1,36 +1,69 @@
 """Packed fixed-length samples, document-level train/held-out split, and the blended sample
-stream that every rank indexes by global sample position."""
-from typing import List, Sequence
+stream that every rank indexes by global sample position. The arrays behind them come from an
+IndexCache (data/index_cache.py): built once, memory-mapped by every rank."""
+from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
 
+from dr_scale.data.index_cache import IndexCache, smallest_int
 from dr_scale.errors import DrScaleError
 from dr_scale.registry import DATASET_REGISTRY
 
+IN_MEMORY = IndexCache(None)
 
-def split_documents(num_docs: int, valid_fraction: float, seed: int, name: str):
+
+def split_documents(num_docs: int, valid_fraction: float, seed: int, name: str,
+                    cache: IndexCache = IN_MEMORY):
     """(train doc ids, held-out doc ids), a seeded split by whole documents."""
-    order = np.random.default_rng([seed, 0x5EED]).permutation(num_docs)
     n_valid = int(np.ceil(num_docs * valid_fraction)) if valid_fraction > 0 else 0
     if n_valid and n_valid >= num_docs:
         raise DrScaleError(f"{name}: {num_docs} document(s) cannot be split into train and "
                            f"held-out parts (data.valid_fraction={valid_fraction})")
-    return np.sort(order[n_valid:]), np.sort(order[:n_valid])
+    dtype = smallest_int(num_docs)
+
+    def order():
+        return np.random.default_rng([seed, 0x5EED]).permutation(num_docs).astype(dtype)
+    built = {}
+
+    def part(which):
+        if "order" not in built:
+            built["order"] = order()
+        o = built["order"]
+        return np.sort(o[n_valid:] if which == "train" else o[:n_valid])
+    return cache.get("train_documents", lambda: part("train")), \
+        cache.get("valid_documents", lambda: part("valid"))
 
 
 @DATASET_REGISTRY.register("packed")
 class PackedSequenceDataset(torch.utils.data.Dataset):
     """Documents (in a seeded order) laid end to end and cut into samples of seq_length + 1 tokens
-    (inputs and shifted labels); consecutive samples share one boundary token."""
+    (inputs and shifted labels); consecutive samples share one boundary token. A document that
+    the file splits into several sequences (Megatron's tools may) keeps them together, in order.
 
-    def __init__(self, indexed, doc_ids: np.ndarray, seq_length: int, seed: int, name: str):
+    `cache` holds the sequence order and cumulative token counts (arrays as long as the split)."""
+
+    def __init__(self, indexed, doc_ids: np.ndarray, seq_length: int, seed: int, name: str,
+                 cache: IndexCache = IN_MEMORY):
         self.indexed, self.seq_length, self.name = indexed, seq_length, name
-        rng = np.random.default_rng([seed, 0xD0C])
-        self.doc_ids = np.asarray(doc_ids)[rng.permutation(len(doc_ids))]
-        sizes = indexed.sizes[self.doc_ids].astype(np.int64)
-        self.cum = np.concatenate([[0], np.cumsum(sizes)])
+
+        def order():
+            rng = np.random.default_rng([seed, 0xD0C])
+            docs = np.asarray(doc_ids)[rng.permutation(len(doc_ids))]
+            return indexed.sequences_of(docs).astype(smallest_int(len(indexed)))
+        self.sequence_order = cache.get("order", order)
+
+        def cumulative():
+            sizes = np.asarray(indexed.sizes)[np.asarray(self.sequence_order)].astype(np.int64)
+            return np.concatenate([[0], np.cumsum(sizes)])
+        self.cum = cache.get("cumulative_tokens", cumulative)
         self.num_samples = max(0, int(self.cum[-1] - 1) // seq_length)
+
+        def first_sequences():  # where each sample starts: a lookup, not a search, when read
+            starts = np.arange(self.num_samples, dtype=np.int64) * seq_length
+            found = np.searchsorted(np.asarray(self.cum), starts, side="right") - 1
+            return found.astype(smallest_int(len(self.sequence_order)))
+        self.first_sequence = cache.get("first_sequence", first_sequences)
         if self.num_samples == 0:
             raise DrScaleError(f"{name}: {int(self.cum[-1])} tokens, fewer than one sample of "
                                f"data.seq_length + 1 = {seq_length + 1}")
@@ -41,12 +74,11 @@ class PackedSequenceDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> np.ndarray:
         start = int(i) * self.seq_length
         end = start + self.seq_length + 1
-        d = int(np.searchsorted(self.cum, start, side="right")) - 1
+        d = int(self.first_sequence[i])
         parts, pos = [], start
         while pos < end:
-            doc = self.indexed.document(int(self.doc_ids[d]))
-            lo = pos - int(self.cum[d])
-            take = doc[lo:lo + (end - pos)]
+            take = self.indexed.read(int(self.sequence_order[d]), pos - int(self.cum[d]),
+                                     end - pos)
             parts.append(take)
             pos += len(take)
             d += 1
@@ -74,28 +106,42 @@ def blend_schedule(weights: Sequence[float], n: int) -> np.ndarray:
 class SampleStream(torch.utils.data.Dataset):
     """Global sample position -> sample. Each dataset is read in a fresh seeded permutation per
     epoch; with several datasets, positions are interleaved by weight. Deterministic in (seed,
-    position), so a run resumes exactly from the number of samples it consumed."""
+    position), so a run resumes exactly from the number of samples it consumed.
+
+    `cache` holds which dataset serves each position, its pick number there, and every epoch's
+    permutation the run reaches (all built at construction: the builder is local rank 0)."""
 
     def __init__(self, datasets: List[PackedSequenceDataset], weights: Sequence[float],
-                 seed: int, length: int):
+                 seed: int, length: int, cache: IndexCache = IN_MEMORY):
         self.datasets, self.weights, self.seed, self.length = datasets, list(weights), seed, length
-        self.owner = blend_schedule(weights, length)
-        self.local = np.zeros(length, dtype=np.int64)  # k-th pick of its dataset
-        for j in range(len(datasets)):
-            mask = self.owner == j
-            self.local[mask] = np.arange(int(mask.sum()))
+        owner_dtype = np.int8 if len(datasets) < 128 else np.int32
+        self.owner = cache.get("owner", lambda: blend_schedule(weights, length).astype(owner_dtype))
+
+        def local():  # k-th pick of its dataset
+            owner = np.asarray(self.owner)
+            out = np.zeros(length, dtype=smallest_int(length))
+            for j in range(len(datasets)):
+                mask = owner == j
+                out[mask] = np.arange(int(mask.sum()))
+            return out
+        self.local = cache.get("local", local)
         self._perms = {}
+        picks = cache.get("picks", lambda: np.bincount(np.asarray(self.owner).astype(np.int64),
+                                                       minlength=len(datasets)))
+        for j, count in enumerate(np.asarray(picks)):
+            for epoch in range(-(-int(count) // len(datasets[j]))):
+                self._perm(j, epoch, cache)
 
     def __len__(self):
         return self.length
 
-    def _perm(self, j: int, epoch: int) -> np.ndarray:
+    def _perm(self, j: int, epoch: int, cache: Optional[IndexCache] = None) -> np.ndarray:
         key = (j, epoch)
         if key not in self._perms:
-            if len(self._perms) > 8:
-                self._perms.clear()
             n = len(self.datasets[j])
-            self._perms[key] = np.random.default_rng([self.seed, j, epoch]).permutation(n)
+            make = lambda: np.random.default_rng([self.seed, j, epoch]).permutation(n).astype(  # noqa: E731
+                smallest_int(n))
+            self._perms[key] = (cache or IN_MEMORY).get(f"permutation_{j}_{epoch}", make)
         return self._perms[key]
 
     def __getitem__(self, position: int):

@@ -1,8 +1,14 @@
 """Memory-mapped indexed dataset in Megatron's .bin/.idx format (readable by Megatron tools).
 
 .idx layout: magic b"MMIDIDX\\x00\\x00", version <Q (1), dtype code <B, sequence count <Q,
-document count <Q, then int32 sizes, int64 byte pointers, int64 document indices. Here every
-sequence is one document. A sidecar <prefix>.meta.json records the tokenizer that made the file.
+document count <Q, then int32 sizes, int64 byte pointers, int64 document indices (where each
+document's sequences begin: dr_scale writes one sequence a document, Megatron's tools may split a
+document into several). A sidecar <prefix>.meta.json records the tokenizer that made the file;
+Megatron-made data has none.
+
+The index and tokens are read entry by entry (data/index_cache.FileArray), never whole and
+never mapped: at 1T tokens the index is gigabytes. Its full validation (sizes against pointers, the .bin's length) reads it in
+chunks and runs once per file, remembered by the index cache (data/index_cache.py).
 """
 import json
 import os
@@ -12,6 +18,7 @@ from typing import Optional
 
 import numpy as np
 
+from dr_scale.data.index_cache import FileArray
 from dr_scale.errors import DrScaleError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -95,29 +102,36 @@ class IndexedDatasetWriter:
             os.replace(tmp_meta, self.meta_path)
 
 
-class IndexedDataset:
-    """Read-only view of a .bin/.idx pair; validated fully at open (sizes, pointers, lengths)."""
+CHECK_CHUNK = 1 << 22  # entries per read when validating
 
-    def __init__(self, prefix):
+
+class IndexedDataset:
+    """Read-only view of a .bin/.idx pair. The header and lengths are checked at open; with
+    `check_contents` (default) also every size against its pointer and the .bin's length."""
+
+    def __init__(self, prefix, check_contents: bool = True):
         self.prefix = str(prefix)
         self.bin_path, self.idx_path, self.meta_path = paths(prefix)
         for p in (self.idx_path, self.bin_path):
             if not p.is_file():
                 raise DrScaleError(f"{p}: dataset file not found (expected a .bin/.idx pair made "
                                    "by `dr-scale preprocess`)")
-        self._read_index()
-        self._check_bin()
-        self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r") \
-            if self.bin_path.stat().st_size else np.zeros(0, dtype=self.dtype)
+        self._map_index()
+        if check_contents:
+            self.check_contents()
+        self.tokens = FileArray(self.bin_path, self.dtype, 0,
+                                self.bin_path.stat().st_size // self.dtype.itemsize)
         self.meta = self._read_meta()
 
-    def _read_index(self):
-        raw = self.idx_path.read_bytes()
+    def _map_index(self):
         where = self.idx_path
-        if len(raw) < _HEADER.size:
-            raise DrScaleError(f"{where}: truncated index ({len(raw)} bytes, header needs "
+        size = where.stat().st_size
+        with open(where, "rb") as f:
+            head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise DrScaleError(f"{where}: truncated index ({len(head)} bytes, header needs "
                                f"{_HEADER.size})")
-        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(raw)
+        magic, version, code, n_seq, n_doc = _HEADER.unpack_from(head)
         if magic != MAGIC:
             raise DrScaleError(f"{where}: not a Megatron-format index (bad magic {magic!r})")
         if version != VERSION:
@@ -126,29 +140,50 @@ class IndexedDataset:
             raise DrScaleError(f"{where}: unknown token dtype code {code}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _HEADER.size + 4 * n_seq + 8 * n_seq + 8 * n_doc
-        if len(raw) != expected:
-            raise DrScaleError(f"{where}: index is {len(raw)} bytes, expected {expected} for "
+        if size != expected:
+            raise DrScaleError(f"{where}: index is {size} bytes, expected {expected} for "
                                f"{n_seq} sequences (truncated or corrupt)")
+        if n_doc == 0:
+            raise DrScaleError(f"{where}: no document indices (corrupt index)")
         off = _HEADER.size
-        self.sizes = np.frombuffer(raw, np.int32, n_seq, off)
-        self.pointers = np.frombuffer(raw, np.int64, n_seq, off + 4 * n_seq)
-        self.document_indices = np.frombuffer(raw, np.int64, n_doc, off + 12 * n_seq)
-        if n_seq:
-            expect_ptr = np.concatenate([[0], np.cumsum(self.sizes[:-1], dtype=np.int64)])
-            if (self.sizes < 0).any() or not np.array_equal(
-                    self.pointers, expect_ptr * self.dtype.itemsize):
-                raise DrScaleError(f"{where}: sizes and pointers disagree (corrupt index)")
-        if n_doc == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != n_seq or \
-                (np.diff(self.document_indices) < 0).any():
-            raise DrScaleError(f"{where}: document indices are not 0..{n_seq} ascending "
-                               "(corrupt index)")
+        self.sizes = FileArray(where, np.int32, off, n_seq)
+        self.pointers = FileArray(where, np.int64, off + 4 * n_seq, n_seq)
+        self.document_indices = FileArray(where, np.int64, off + 12 * n_seq, n_doc)
 
-    def _check_bin(self):
-        expected = int(self.sizes.sum(dtype=np.int64)) * self.dtype.itemsize
+    def check_contents(self):
+        """Every size against its pointer, document indices ascending from 0 to the sequence
+        count, the .bin's length against the sizes; read in chunks (bounded memory)."""
+        where, n_seq = self.idx_path, len(self.sizes)
+        item = self.dtype.itemsize
+        total = 0  # tokens before the chunk
+        with open(where, "rb") as f:
+            for lo in range(0, n_seq, CHECK_CHUNK):
+                hi = min(n_seq, lo + CHECK_CHUNK)
+                f.seek(_HEADER.size + 4 * lo)
+                sizes = np.fromfile(f, np.int32, hi - lo).astype(np.int64)
+                f.seek(_HEADER.size + 4 * n_seq + 8 * lo)
+                pointers = np.fromfile(f, np.int64, hi - lo)
+                starts = total + np.concatenate([[0], np.cumsum(sizes[:-1])])
+                if (sizes < 0).any() or not np.array_equal(pointers, starts * item):
+                    raise DrScaleError(f"{where}: sizes and pointers disagree (corrupt index)")
+                total += int(sizes.sum())
+            docs = self.document_indices
+            f.seek(_HEADER.size + 12 * n_seq)
+            previous = -1
+            for lo in range(0, len(docs), CHECK_CHUNK):
+                chunk = np.fromfile(f, np.int64, min(CHECK_CHUNK, len(docs) - lo))
+                if (lo == 0 and chunk[0] != 0) or chunk[0] < previous or \
+                        (np.diff(chunk) < 0).any():
+                    raise DrScaleError(f"{where}: document indices are not 0..{n_seq} "
+                                       "ascending (corrupt index)")
+                previous = int(chunk[-1])
+            if previous != n_seq:
+                raise DrScaleError(f"{where}: document indices are not 0..{n_seq} ascending "
+                                   "(corrupt index)")
         actual = self.bin_path.stat().st_size
-        if actual != expected:
-            raise DrScaleError(f"{self.bin_path}: {actual} bytes, the index expects {expected} "
-                               "(truncated or not the matching .bin)")
+        if actual != total * item:
+            raise DrScaleError(f"{self.bin_path}: {actual} bytes, the index expects "
+                               f"{total * item} (truncated or not the matching .bin)")
 
     def _read_meta(self) -> dict:
         if not self.meta_path.is_file():
@@ -159,8 +194,13 @@ class IndexedDataset:
             raise DrScaleError(f"{self.meta_path}: JSON syntax error at line {e.lineno}: "
                                f"{e.msg}") from None
 
-    def check_tokenizer(self, tokenizer):
-        """One-line error when the data was made with another tokenizer or a larger vocab."""
+    def check_tokenizer(self, tokenizer) -> Optional[str]:
+        """One-line error when the data was made with another tokenizer or a larger vocab; for
+        data without a .meta.json (made by Megatron's tools, say), the warning to show."""
+        if not self.meta:
+            return (f"{self.prefix}: no {self.meta_path.name} (not made by `dr-scale "
+                    f"preprocess`; Megatron's tools write none): the tokenizer that made it "
+                    f"cannot be checked, data.tokenizer {tokenizer.path} is taken as given")
         made_with = self.meta.get("tokenizer_sha256")
         if made_with and made_with != tokenizer.sha256:
             raise DrScaleError(
@@ -175,9 +215,31 @@ class IndexedDataset:
     def __len__(self):
         return len(self.sizes)
 
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def sequences_of(self, documents: np.ndarray) -> np.ndarray:
+        """The sequence ids of `documents`, in the given order (each document's sequences in
+        file order); the identity where every document is one sequence."""
+        documents = np.asarray(documents, dtype=np.int64)
+        bounds = np.asarray(self.document_indices)
+        starts = bounds[documents]
+        counts = bounds[documents + 1] - starts
+        if len(counts) and (counts == 1).all():
+            return starts
+        offsets = np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(starts, counts) + (np.arange(int(counts.sum())) - offsets)
+
     def num_tokens(self) -> int:
-        return int(self.sizes.sum(dtype=np.int64))
+        return int(np.asarray(self.sizes).sum(dtype=np.int64))
 
     def document(self, i: int) -> np.ndarray:
-        start = self.pointers[i] // self.dtype.itemsize
-        return self.tokens[start:start + self.sizes[i]]
+        return self.read(i)
+
+    def read(self, i: int, offset: int = 0, count: Optional[int] = None) -> np.ndarray:
+        """Tokens `offset` .. `offset + count` of sequence i (to its end when count is None)."""
+        size = int(self.sizes[i])
+        count = size - offset if count is None else min(count, size - offset)
+        start = int(self.pointers[i]) // self.dtype.itemsize + offset
+        return self.tokens.read(start, count)

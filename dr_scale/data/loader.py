@@ -1,12 +1,15 @@
 """Train and held-out loaders for a data-parallel rank, with a resumable position."""
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, List
 
 import torch
 
 from dr_scale.data.corpus import bundled_data
 from dr_scale.data.dataset import SampleStream, split_documents
-from dr_scale.data.indexed import IndexedDataset
+from dr_scale.data.index_cache import IndexCache, cache_folder, file_identity, key_of
+from dr_scale.data.indexed import IndexedDataset, paths
 from dr_scale.data.tokenizer import load_tokenizer
 from dr_scale.errors import DrScaleError
 from dr_scale.registry import DATASET_REGISTRY
@@ -17,6 +20,7 @@ class DataSources:
     tokenizer: object  # data.tokenizer.load_tokenizer: sentencepiece or Hugging Face
     train: SampleStream
     valid: SampleStream
+    warnings: List[str]  # one line each, for the start of the run
 
 
 def dataset_types(data_cfg):
@@ -43,31 +47,65 @@ def resolve_files(data_cfg):
     return tok, [(str(prefix), 1.0, "packed")]
 
 
+def _dataset_cache(prefix, kind, data_cfg, seed, build) -> IndexCache:
+    """The index cache of one dataset, beside its files (or under data.cache_dir when that
+    folder is read-only), keyed by the files and every setting its arrays depend on."""
+    bin_path, idx_path, _ = paths(prefix)
+    key = key_of(file_identity(idx_path), file_identity(bin_path), kind, data_cfg.seq_length,
+                 seed, data_cfg.valid_fraction)
+    folder = cache_folder(Path(f"{prefix}.index"), data_cfg.cache_dir, key) if build else \
+        _existing(Path(f"{prefix}.index") / key, Path(data_cfg.cache_dir) / "indices" / key)
+    return IndexCache(folder, build)
+
+
+def _existing(*folders):
+    for f in folders:
+        if Path(os.path.expanduser(f)).is_dir():
+            return Path(os.path.expanduser(f))
+    return Path(os.path.expanduser(folders[0]))  # IndexCache.get names it in its error
+
+
 def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
-                  tokenizer_path=None, specs=None) -> DataSources:
+                  tokenizer_path=None, specs=None, build_index: bool = True) -> DataSources:
+    """The train and held-out streams. Their index arrays are built into caches (see
+    data/index_cache.py) when `build_index`, else read from them (the launcher builds on local
+    rank 0 first)."""
     if tokenizer_path is None:
         tokenizer_path, specs = resolve_files(data_cfg)
     tokenizer = load_tokenizer(tokenizer_path)
-    train_sets, valid_sets, weights, valid_weights = [], [], [], []
+    train_sets, valid_sets, weights, valid_weights, keys, warnings = [], [], [], [], [], []
     for prefix, weight, kind in specs:
-        make = DATASET_REGISTRY.get(kind)  # builder(indexed, doc ids, seq_length, seed, name)
-        indexed = IndexedDataset(prefix)
-        indexed.check_tokenizer(tokenizer)
-        train_ids, valid_ids = split_documents(len(indexed), data_cfg.valid_fraction, seed, prefix)
+        # builder(indexed, doc ids, seq_length, seed, name, cache)
+        make = DATASET_REGISTRY.get(kind)
+        cache = _dataset_cache(prefix, kind, data_cfg, seed, build_index)
+        indexed = IndexedDataset(prefix, check_contents=False)
+        cache.stamp("contents_checked", indexed.check_contents)
+        warning = indexed.check_tokenizer(tokenizer)
+        if warning:
+            warnings.append(warning)
+        train_ids, valid_ids = split_documents(indexed.num_documents, data_cfg.valid_fraction,
+                                               seed, prefix, cache)
         train_sets.append(make(indexed, train_ids, data_cfg.seq_length, seed,
-                               f"{prefix} (train split)"))
+                               f"{prefix} (train split)", cache=cache.child("train")))
         weights.append(weight)
+        keys.append(cache.folder and cache.folder.name)
         if len(valid_ids):
             valid_sets.append(make(indexed, valid_ids, data_cfg.seq_length, seed,
-                                   f"{prefix} (held-out split)"))
+                                   f"{prefix} (held-out split)", cache=cache.child("valid")))
             valid_weights.append(weight)
     if not valid_sets:
         raise DrScaleError("data.valid_fraction: 0 leaves no held-out split to evaluate on; "
                            "expected a fraction > 0")
     eval_samples = min(eval_samples, sum(len(d) for d in valid_sets))
-    return DataSources(tokenizer=tokenizer,
-                       train=SampleStream(train_sets, weights, seed, train_samples),
-                       valid=SampleStream(valid_sets, valid_weights, seed + 1, eval_samples))
+    blends = Path(os.path.expanduser(data_cfg.cache_dir)) / "indices"
+
+    def blend_cache(*parts):
+        return IndexCache(blends / f"blend-{key_of(*parts)}", build_index)
+    train = SampleStream(train_sets, weights, seed, train_samples,
+                         blend_cache(keys, weights, seed, train_samples))
+    valid = SampleStream(valid_sets, valid_weights, seed + 1, eval_samples,
+                         blend_cache(keys, valid_weights, seed + 1, eval_samples, "valid"))
+    return DataSources(tokenizer=tokenizer, train=train, valid=valid, warnings=warnings)
 
 
 class StepBatchSampler(torch.utils.data.Sampler):
