@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_results import write_results
+
 STAGE = r"""
 import json, os, sys, time
 import numpy as np, torch
@@ -128,19 +130,13 @@ def main(argv=None):
               + (f", 2,000 random samples read in {r['read_2000_samples_s']:.2f} s"
                  if stage == "rank" else ""), flush=True)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(dict(r, cpu=where, documents=a.documents, tokens=tokens)) + "\n")
-    lines = [f"Sample index for {a.documents:,} documents, {tokens / 1e12:.2f}T tokens, "
-             f"{samples:,} samples of {a.seq} on {where}", "",
-             "| stage | seconds | peak RSS (GiB) | RSS added by data (GiB) | of it anonymous |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['stage']} | {r['seconds']} | {r['peak_rss'] / 2**30:.2f} | "
-              f"{r['rss_added'] / 2**30:.3f} | {r['rss_anon_added'] / 2**30:.3f} |" for r in rows]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'results.md'}")
+    write_results(a.out, rows, f"Sample index for {a.documents:,} documents, "
+                  f"{tokens / 1e12:.2f}T tokens, {samples:,} samples of {a.seq} on {where}",
+                  [("stage", "stage"), ("seconds", "seconds"),
+                   ("peak RSS (GiB)", lambda r: f"{r['peak_rss'] / 2**30:.2f}"),
+                   ("RSS added by data (GiB)", lambda r: f"{r['rss_added'] / 2**30:.3f}"),
+                   ("of it anonymous", lambda r: f"{r['rss_anon_added'] / 2**30:.3f}")],
+                  dict(cpu=where, documents=a.documents, tokens=tokens))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bench_results import write_results
+
 
 def make_datasets(folder: Path, tokenizer):
     from dr_scale.data.corpus import CORPUS
@@ -129,19 +131,12 @@ def main(argv=None):
                          "tokens_per_s": round(rate), "loader_over_training": round(loader_best / rate, 1)})
             print(f"training {preset}: {rate:,.0f} tokens/s; the loader delivers "
                   f"{loader_best / rate:,.1f}x that", flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(dict(r, cpu=where, seq=a.seq, micro=a.micro)) + "\n")
-    lines = [f"Loader alone (3 datasets blended, document masks) against training, one rank, "
-             f"batch {a.micro} x {a.seq}, on {where}", "",
-             "| what | tokens/s | loader / training | profiler fetch+collate s | wall s |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['what']} | {r['tokens_per_s']:,} | {r.get('loader_over_training', '')} | "
-              f"{r.get('profiler_fetch_collate_s', '')} | {r.get('wall_s', '')} |" for r in rows]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'results.md'}")
+    write_results(a.out, rows, f"Loader alone (3 datasets blended, document masks) against "
+                  f"training, one rank, batch {a.micro} x {a.seq}, on {where}",
+                  [("what", "what"), ("tokens/s", lambda r: f"{r['tokens_per_s']:,}"),
+                   ("loader / training", "loader_over_training"),
+                   ("profiler fetch+collate s", "profiler_fetch_collate_s"), ("wall s", "wall_s")],
+                  dict(cpu=where, seq=a.seq, micro=a.micro))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_results import write_results
+
 
 def digest(prefix) -> str:
     h = hashlib.sha256()
@@ -90,19 +92,12 @@ def main(argv=None):
             rows[-1].update(speedup=round(speedup, 2), identical_to_1_worker=same)
             print(f"{kind:16s} speed-up {speedup:.2f}x with {a.workers} workers; output "
                   f"{'byte-identical' if same else 'DIFFERENT'} to 1 worker's", flush=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for r in rows:
-            f.write(json.dumps(dict(r, cpu=where, corpus_mib=round(size / 2**20, 1))) + "\n")
-    lines = [f"Preprocessing {size / 2**20:.1f} MiB of JSON lines (wall time, start-up included) "
-             f"on {where}", "", "| tokenizer | workers | seconds | tokens/s | MB/s | speed-up | "
-             "identical |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['tokenizer']} | {r['workers']} | {r['seconds']} | {r['tokens_per_s']:,} | "
-              f"{r['mb_per_s']} | {r.get('speedup', '')} | {r.get('identical_to_1_worker', '')} |"
-              for r in rows]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'results.md'}")
+    write_results(a.out, rows, f"Preprocessing {size / 2**20:.1f} MiB of JSON lines (wall time, "
+                  f"start-up included) on {where}",
+                  [("tokenizer", "tokenizer"), ("workers", "workers"), ("seconds", "seconds"),
+                   ("tokens/s", lambda r: f"{r['tokens_per_s']:,}"), ("MB/s", "mb_per_s"),
+                   ("speed-up", "speedup"), ("identical", "identical_to_1_worker")],
+                  dict(cpu=where, corpus_mib=round(size / 2**20, 1)))
 
 
 if __name__ == "__main__":

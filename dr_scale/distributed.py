@@ -1,5 +1,6 @@
 """The process group: started through DeepSpeed's accelerator (gloo on CPU, NCCL on GPU), left
 together at the end."""
+import datetime
 import glob
 import os
 import socket
@@ -22,9 +23,10 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed():
-    """(device, ranks on this node): deepspeed.init_distributed with the accelerator's backend;
-    a plain `python launchers/pretrain.py` becomes a world of one."""
+def init_distributed(timeout_s: int = 600):
+    """(device, ranks on this node): deepspeed.init_distributed with the accelerator's backend
+    and a collective timeout of `timeout_s`; a plain `python launchers/pretrain.py` becomes a
+    world of one."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
@@ -32,7 +34,8 @@ def init_distributed():
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
+                               timeout=datetime.timedelta(seconds=timeout_s))
     if acc.device_name() == "cpu":
         release_shm_names()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or

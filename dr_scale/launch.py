@@ -31,6 +31,7 @@ from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.plot import plot_curves
 from dr_scale.train.schedule import build_scheduler
+from dr_scale.train import hangs
 from dr_scale.train.trainer import Trainer
 
 
@@ -52,7 +53,8 @@ def check_config(args):
 
 def run(args):
     cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old = check_config(args)  # config
-    device, local_world = init_distributed()
+    hangs.configure(cfg.train.collective_timeout_s)
+    device, local_world = init_distributed(cfg.train.collective_timeout_s)
     topo = Topology.from_config(dist.get_world_size(), cfg.parallel, dist.get_rank())  # topology
     bf16 = bf16_support(device.type)
     ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
@@ -126,6 +128,12 @@ def main(argv=None):
             print(f"dr_scale: stopped: {e}", file=sys.stderr, flush=True)
         close_distributed()  # every rank stops at the same step, so they can leave together
         sys.exit(EXIT_PREEMPTED if isinstance(e, Preempted) else EXIT_STOPPED)
+    except RuntimeError as e:  # a collective that timed out or lost its peer: one line
+        error = hangs.as_error(e, int(os.environ.get("RANK", "0")))
+        if error is None:
+            raise
+        print(f"dr_scale: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "

@@ -1,5 +1,6 @@
 """SIGKILL a 2-rank run mid-training and mid-checkpoint-write; the resumed run must log the
 uninterrupted run's losses bitwise (fp32), with each step once in metrics.jsonl."""
+import contextlib
 import json
 import os
 import re
@@ -261,3 +262,37 @@ def test_slurm_script_tasks_stop_on_sigusr1_and_continue(reference, cache_dir, t
     got = [r for r in records(run) if "loss" in r]
     assert [r["step"] for r in got] == list(range(1, 13))
     assert {r["step"]: r["loss"] for r in got} == expected
+
+
+def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_path):
+    """SIGSTOP to rank 1 mid-run: rank 0 waits train.collective_timeout_s (10 s here) in its
+    next collective, then the run ends with one line naming rank 0 and the step and phase it
+    was in, not a traceback and not the default 10-minute wait."""
+    import psutil
+
+    run = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        proc = spawn(["--ds_config", "zero1", "--run_dir", run, *ARGS[:-1],
+                      "train.max_steps=400", "train.collective_timeout_s=10"], cache_dir, log)
+        deadline = time.time() + 300
+        while 3 not in logged_steps(run) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "--local_rank=1" in " ".join(p.cmdline())]
+        assert len(ranks) == 1, "rank 1 not found"
+        ranks[0].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        try:
+            code = proc.wait(timeout=120)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the stopped rank, if left
+                os.killpg(proc.pid, signal.SIGKILL)
+    waited = time.time() - stopped
+    text = (tmp_path / "log").read_text()
+    found = re.search(r"dr_scale: error: rank 0: a collective failed during (step \d+[ \w-]*|"
+                      r"evaluation at step \d+|checkpoint save at step \d+): .*Timed out.* "
+                      r"\(train\.collective_timeout_s=10\); another rank stopped responding or "
+                      r"died", text)
+    assert found, text[-3000:]
+    assert code != 0 and 10 <= waited < 90, (code, waited)
+    assert "Traceback" not in text.split(found.group(0))[0][-2000:]

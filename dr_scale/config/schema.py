@@ -75,6 +75,8 @@ class TrainConfig(Section):
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
     keep_checkpoints: int = field(3, min=0, help="keep the newest K checkpoints; 0 keeps all")
+    collective_timeout_s: int = field(600, min=5, help="a collective waiting longer ends the "
+                                      "run in one line naming the rank and the phase")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dr_scale import comm
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
-from dr_scale.train import checkpoint
+from dr_scale.train import checkpoint, hangs
 from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes
 from dr_scale.train.preemption import StopSignals
@@ -81,16 +81,18 @@ class Trainer:
                 "callbacks": self.callbacks.state_dict()}  # keyed by callback name
 
     def save_checkpoint(self):
-        path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
-                               self.state_dict(), self.cfg.train.keep_checkpoints)
+        with hangs.doing(f"checkpoint save at step {self.step}"):
+            path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
+                                   self.state_dict(), self.cfg.train.keep_checkpoints)
         self.last_checkpoint = path
         self.logger.info(f"saved checkpoint {path}")
         self.callbacks.fire("on_checkpoint", self, self.step, path)
 
     def resume(self):
-        state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                      self.model_signature, self.resume_plan,
-                                      self.engine.zero_optimization_stage())
+        with hangs.doing("checkpoint load"):
+            state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
+                                          self.model_signature, self.resume_plan,
+                                          self.engine.zero_optimization_stage())
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         checkpoint.set_rng_state(state["rng"])
@@ -133,7 +135,8 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def evaluate(self) -> dict:
-        eval_loss = self.eval_loss()
+        with hangs.doing(f"evaluation at step {self.step}"):
+            eval_loss = self.eval_loss()
         rec = {"step": self.step, "eval_loss": eval_loss,
                "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": self._eval_tokens}
         self.callbacks.fire("on_evaluate", self, self.step, rec)  # callbacks may add fields
@@ -159,6 +162,7 @@ class Trainer:
         batches = iter(loader)
         window_losses, window_start = [], time.perf_counter()
         while self.step < stop:
+            hangs.now(f"step {self.step + 1}")
             self.callbacks.fire("before_step", self, self.step)
             lr = self.current_lr()
             step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -180,10 +184,13 @@ class Trainer:
             window_losses.append(step_loss / self.layout["accum"])
             record = None
             if self.will_log(self.step):
-                record = self._train_record(window_losses, time.perf_counter() - window_start, lr)
+                with hangs.doing(f"step {self.step} metrics"):
+                    record = self._train_record(window_losses,
+                                                time.perf_counter() - window_start, lr)
                 self.logger.log(record)
                 window_losses, window_start = [], time.perf_counter()
-            self.callbacks.fire("after_step", self, self.step, record)
+            with hangs.doing(f"step {self.step} callbacks (after_step)"):
+                self.callbacks.fire("after_step", self, self.step, record)
             if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                 self.evaluate()
                 window_start = time.perf_counter()  # evaluation time is not training throughput
@@ -191,6 +198,7 @@ class Trainer:
             if saved:
                 self.save_checkpoint()
                 window_start = time.perf_counter()
+            hangs.now(f"step {self.step} stop-signal agreement")
             signal_name = signals.agreed()  # every rank, every step: they stop at the same one
             if signal_name and self.step < stop:
                 if not saved:
@@ -209,7 +217,7 @@ class Trainer:
         if timed:
             self._sync()
             t0 = time.perf_counter()
-        with record_function(f"dr_scale.{name}"):
+        with record_function(f"dr_scale.{name}"), hangs.doing(f"step {self.step + 1} {name}"):
             yield
         if timed:
             self._sync()
