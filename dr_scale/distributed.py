@@ -34,8 +34,15 @@ def init_distributed(timeout_s: int = 600):
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(),
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Groups made later (DeepSpeed's data-parallel and ZeRO groups: torch new_group without a
+    # timeout) take torch's module default, 30 minutes, not the world group's: with only the
+    # world group's set, a rank that stopped responding left the others in a gradient
+    # all-reduce past the test's 90 s. So the defaults become ours too.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), timeout=timeout)
     if acc.device_name() == "cpu":
         release_shm_names()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
