@@ -44,7 +44,7 @@ class FileArray:
 
     Why not a memory map: on this kernel (6.18, ext4) page-cache folios are large, and touching
     one element of a mapped file maps its whole folio into the process: 2,000 random samples of a
-    1T-token dataset grew a rank's RSS by 6.6 GiB (1.7-6.7 MiB a lookup, madvise(MADV_RANDOM) or
+    1T-token dataset grew a rank's RSS by 6.4 GiB (1.7-6.7 MiB a lookup, madvise(MADV_RANDOM) or
     not). A read maps nothing, costs one system call (microseconds, against ~1 ms to assemble a
     sample), and is safe in forked data-loader workers (pread keeps no file offset)."""
 
