@@ -11,6 +11,7 @@
 import argparse
 import os
 import sys
+import time
 
 from dr_scale.errors import DrScaleError
 
@@ -34,8 +35,6 @@ def cmd_tokenizer(a):
 def cmd_preprocess(a):
     from dr_scale.data.preprocess import preprocess
     from dr_scale.data.tokenizer import load_tokenizer
-
-    import time
 
     t0 = time.time()
     meta = preprocess(a.input, load_tokenizer(a.tokenizer), a.out, a.text_key, a.workers,

@@ -170,7 +170,7 @@ def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
     if sources is None:
         sources = sources_here(False)
     used = tokenizer_file_in(resumed_run_dir) if resumed_run_dir else None
-    if used is not None and used.is_file() and file_sha256(used) != sources.tokenizer.sha256:
+    if used is not None and file_sha256(used) != sources.tokenizer.sha256:
         given = cfg.data.tokenizer or "the tokenizer trained on the bundled corpus"
         raise DrScaleError(f"{used}: the run was trained with this tokenizer, but the resumed "
                            f"config gives {given}; token ids would change meaning")

@@ -55,6 +55,19 @@ def attention_triton(q, k, v, causal=True, dropout_p=0.0, training=False, doc_id
     return flash_attention(q, k, v, causal=causal, doc_ids=doc_ids)
 
 
+_last_documents = {"ids": None, "lengths": None}
+
+
+def _document_lengths(doc_ids):
+    """Per row, the lengths of its documents. Every layer of a forward (and its recomputation)
+    gets the same ids tensor: they are read to the host once for it, not once a layer."""
+    if _last_documents["ids"] is not doc_ids:
+        _last_documents["lengths"] = [
+            torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in doc_ids]
+        _last_documents["ids"] = doc_ids
+    return _last_documents["lengths"]
+
+
 @register_kernel("attention", "sdpa", priority=TORCH + 1, devices=ANY, policy=P.ATTENTION)
 def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=None):
     """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively.
@@ -72,8 +85,7 @@ def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout,
                                               enable_gqa=gqa)
     rows = []
-    for b in range(q.shape[0]):
-        lengths = torch.unique_consecutive(doc_ids[b], return_counts=True)[1].tolist()
+    for b, lengths in enumerate(_document_lengths(doc_ids)):
         pieces, start = [], 0
         for n in lengths:
             part = slice(start, start + n)

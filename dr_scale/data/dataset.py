@@ -1,7 +1,8 @@
 """Packed fixed-length samples, document-level train/held-out split, and the blended sample
 stream that every rank indexes by global sample position. The arrays behind them come from an
-IndexCache (data/index_cache.py): built once, memory-mapped by every rank."""
-from typing import List, Optional, Sequence
+IndexCache (data/index_cache.py): built once, read entry by entry by every rank."""
+import functools
+from typing import List, Sequence
 
 import numpy as np
 import torch
@@ -20,19 +21,12 @@ def split_documents(num_docs: int, valid_fraction: float, seed: int, name: str,
     if n_valid and n_valid >= num_docs:
         raise DrScaleError(f"{name}: {num_docs} document(s) cannot be split into train and "
                            f"held-out parts (data.valid_fraction={valid_fraction})")
-    dtype = smallest_int(num_docs)
-
+    @functools.cache  # one permutation for both parts, and none when both are cached
     def order():
-        return np.random.default_rng([seed, 0x5EED]).permutation(num_docs).astype(dtype)
-    built = {}
-
-    def part(which):
-        if "order" not in built:
-            built["order"] = order()
-        o = built["order"]
-        return np.sort(o[n_valid:] if which == "train" else o[:n_valid])
-    return cache.get("train_documents", lambda: part("train")), \
-        cache.get("valid_documents", lambda: part("valid"))
+        return np.random.default_rng([seed, 0x5EED]).permutation(num_docs).astype(
+            smallest_int(num_docs))
+    return cache.get("train_documents", lambda: np.sort(order()[n_valid:])), \
+        cache.get("valid_documents", lambda: np.sort(order()[:n_valid]))
 
 
 @DATASET_REGISTRY.register("packed")
@@ -77,8 +71,9 @@ class PackedSequenceDataset(torch.utils.data.Dataset):
         d = int(self.first_sequence[i])
         parts, pos = [], start
         while pos < end:
-            take = self.indexed.read(int(self.sequence_order[d]), pos - int(self.cum[d]),
-                                     end - pos)
+            first, after = (int(c) for c in self.cum[d:d + 2])  # the sequence's token range
+            take = self.indexed.read(int(self.sequence_order[d]), pos - first,
+                                     min(end, after) - pos)
             parts.append(take)
             pos += len(take)
             d += 1
@@ -125,23 +120,23 @@ class SampleStream(torch.utils.data.Dataset):
                 out[mask] = np.arange(int(mask.sum()))
             return out
         self.local = cache.get("local", local)
-        self._perms = {}
+        self._cache, self._perms = cache, {}
         picks = cache.get("picks", lambda: np.bincount(np.asarray(self.owner).astype(np.int64),
                                                        minlength=len(datasets)))
         for j, count in enumerate(np.asarray(picks)):
             for epoch in range(-(-int(count) // len(datasets[j]))):
-                self._perm(j, epoch, cache)
+                self._perm(j, epoch)
 
     def __len__(self):
         return self.length
 
-    def _perm(self, j: int, epoch: int, cache: Optional[IndexCache] = None) -> np.ndarray:
+    def _perm(self, j: int, epoch: int) -> np.ndarray:
         key = (j, epoch)
         if key not in self._perms:
             n = len(self.datasets[j])
             make = lambda: np.random.default_rng([self.seed, j, epoch]).permutation(n).astype(  # noqa: E731
                 smallest_int(n))
-            self._perms[key] = (cache or IN_MEMORY).get(f"permutation_{j}_{epoch}", make)
+            self._perms[key] = self._cache.get(f"permutation_{j}_{epoch}", make)
         return self._perms[key]
 
     def __getitem__(self, position: int):

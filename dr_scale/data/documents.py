@@ -77,8 +77,7 @@ class DocumentBoundaries:
         return input_ids, doc_ids, positions_in_document(doc_ids)
 
     def describe(self) -> str:
-        if not self.active:
-            return "documents: packed end to end, attention across their boundaries"
+        """The start line's words, when active."""
         parts = (["attention within each document"] if self.mask else []) + \
             (["positions restart at each document"] if self.reset_positions else [])
         return f"documents: packed, {', '.join(parts)} (end-of-document id {self.eod_id})"

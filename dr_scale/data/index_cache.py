@@ -1,4 +1,4 @@
-"""Sample indices built once and memory-mapped by every rank.
+"""Sample indices built once and read entry by entry by every rank.
 
 The arrays that turn a dataset into samples (the held-out split, the shuffled document order,
 cumulative token counts, the blend of datasets, each epoch's sample permutation) grow with the

@@ -1,4 +1,4 @@
-"""Memory-mapped indexed dataset in Megatron's .bin/.idx format (readable by Megatron tools).
+"""Indexed dataset in Megatron's .bin/.idx format (readable by Megatron tools).
 
 .idx layout: magic b"MMIDIDX\\x00\\x00", version <Q (1), dtype code <B, sequence count <Q,
 document count <Q, then int32 sizes, int64 byte pointers, int64 document indices (where each
@@ -7,8 +7,8 @@ document into several). A sidecar <prefix>.meta.json records the tokenizer that 
 Megatron-made data has none.
 
 The index and tokens are read entry by entry (data/index_cache.FileArray), never whole and
-never mapped: at 1T tokens the index is gigabytes. Its full validation (sizes against pointers, the .bin's length) reads it in
-chunks and runs once per file, remembered by the index cache (data/index_cache.py).
+never mapped: at 1T tokens the index is gigabytes. Its full validation (sizes against pointers,
+the .bin's length) reads it in chunks and runs once per file, remembered by the index cache.
 """
 import json
 import os
@@ -238,8 +238,9 @@ class IndexedDataset:
         return self.read(i)
 
     def read(self, i: int, offset: int = 0, count: Optional[int] = None) -> np.ndarray:
-        """Tokens `offset` .. `offset + count` of sequence i (to its end when count is None)."""
-        size = int(self.sizes[i])
-        count = size - offset if count is None else min(count, size - offset)
+        """Tokens `offset` .. `offset + count` of sequence i (to its end when count is None; a
+        caller that knows the sequence's length, as packing does, gives a count within it)."""
+        if count is None:
+            count = int(self.sizes[i]) - offset
         start = int(self.pointers[i]) // self.dtype.itemsize + offset
         return self.tokens.read(start, count)

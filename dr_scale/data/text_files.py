@@ -118,10 +118,14 @@ def _open_binary(path: Path, compression: str):
     return open(path, "rb")
 
 
-def _line_number(path: Path, offset: int) -> int:
-    """1-based number of the line starting at byte `offset` (only computed for an error)."""
-    with open(path, "rb") as f:
-        return f.read(offset).count(b"\n") + 1
+def _where(piece: Piece, offset: int) -> str:
+    """`path:line` of the line starting at byte `offset` (counted only for an error), or its
+    byte in the decompressed stream of a compressed file."""
+    if piece.compression:
+        return f"{piece.path}:byte {offset} of the decompressed stream"
+    with open(piece.path, "rb") as f:
+        line = f.read(offset).count(b"\n") + 1
+    return f"{piece.path}:{line}"
 
 
 def read_piece(piece: Piece, text_key: str = "text") -> Iterator[str]:
@@ -155,15 +159,11 @@ def read_piece(piece: Piece, text_key: str = "text") -> Iterator[str]:
                 try:
                     obj = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    where = _line_number(path, line_start) if not piece.compression else \
-                        f"byte {line_start} of the decompressed stream"
-                    raise DrScaleError(f"{path}:{where}: invalid JSON "
+                    raise DrScaleError(f"{_where(piece, line_start)}: invalid JSON "
                                        f"({getattr(e, 'msg', None) or e.reason})") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
-                    where = _line_number(path, line_start) if not piece.compression else \
-                        f"byte {line_start} of the decompressed stream"
-                    raise DrScaleError(f"{path}:{where}: expected a JSON object with a string "
-                                       f"under '{text_key}'")
+                    raise DrScaleError(f"{_where(piece, line_start)}: expected a JSON object "
+                                       f"with a string under '{text_key}'")
                 yield obj[text_key]
     except DrScaleError:
         raise

@@ -76,6 +76,7 @@ class SelfAttention(nn.Module):
         if self.attend is None:
             raise DrScaleError("model.attention=auto: settle it (run_setup.select_kernels) "
                                "before building a model to run")
+        # doc_ids only when given: an attention kernel registered elsewhere need not take them
         extra = {} if doc_ids is None else {"doc_ids": doc_ids}
         out = self.attend(q, k, v, causal=True, dropout_p=self.dropout, training=self.training,
                           **extra)
