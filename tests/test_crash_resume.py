@@ -64,13 +64,16 @@ def reference(cache_dir, tmp_path_factory):
     return ds, {r["step"]: r["loss"] for r in records(run) if "loss" in r}
 
 
-@pytest.mark.parametrize("moment", ["mid_training", "mid_checkpoint_write"])
+@pytest.mark.parametrize("moment", ["mid_training", "mid_checkpoint_write", "mid_async_write"])
 def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp_path):
+    """mid_async_write: with train.async_save, killed while the writer thread writes step 6's
+    files behind step 7; the run resumes from an asynchronously written checkpoint."""
     ds, expected = reference
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
+    extra = ["train.async_save=true"] if moment == "mid_async_write" else []
     with open(tmp_path / "first.log", "w") as log:
-        proc = spawn(["--ds_config", ds, "--run_dir", run, *ARGS], cache_dir, log)
+        proc = spawn(["--ds_config", ds, "--run_dir", run, *ARGS, *extra], cache_dir, log)
         if moment == "mid_training":
             kill_when(proc, lambda: 5 in logged_steps(run))       # after ckpt 3, before ckpt 6
         else:
@@ -79,7 +82,7 @@ def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp
     print(f"killed {moment}: latest={latest}")
     assert latest in ("step_00000003", "step_00000006")
     assert (ckpt / latest / "dr_scale_state_rank1.pt").exists()   # latest is always complete
-    if moment == "mid_checkpoint_write" and latest == "step_00000003":
+    if moment != "mid_training" and latest == "step_00000003":
         assert not (ckpt / "step_00000006").exists()              # the half-written one is not
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume"], 2, cache_dir)
     assert f"resumed from {ckpt / latest}" in proc.stdout

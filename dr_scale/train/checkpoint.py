@@ -2,8 +2,9 @@
 
 A checkpoint is written into checkpoints/.incoming/<tag>/ (DeepSpeed's files plus our state per
 rank), fsynced, renamed to checkpoints/<tag>/, and only then named in checkpoints/latest (written
-to a temporary file and renamed). A half-written checkpoint is therefore never the latest one;
-leftovers in .incoming are cleared on resume. Our state (step, data position, RNG, callbacks)
+to a temporary file and renamed): checkpoint_writer.py. A half-written checkpoint is therefore
+never the latest one; leftovers in .incoming are cleared on resume. This file: the layout, the
+state we add, and reading it back. Our state (step, data position, RNG, callbacks)
 loads with weights_only=True: plain tensors and numbers, no code.
 """
 import os
@@ -17,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
 
@@ -40,25 +40,30 @@ def step_of(tag: str) -> int:
 
 def rng_state() -> dict:
     np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "numpy_pos": int(np_state[2]),
-            "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    state = {"torch": torch.get_rng_state(),
+             "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_pos": int(np_state[2]),
+             "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout on the GPU)
+    return state
 
 
 def set_rng_state(state: dict):
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32),
                          state["numpy_pos"], 0, 0.0))
     random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
 
 
-def _fsync_file(path: Path):
+def fsync_file(path: Path):
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path):
+def fsync_dir(path: Path):
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -66,14 +71,14 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str):
+def write_atomic(path: Path, text: str):
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def complete_tags(ckpt_dir: Path):
@@ -81,46 +86,6 @@ def complete_tags(ckpt_dir: Path):
     if not ckpt_dir.is_dir():
         return []
     return sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and _TAG.match(p.name))
-
-
-def save(engine, ckpt_dir: Path, step: int, state: dict, keep_last: int = 0) -> Path:
-    ckpt_dir = Path(ckpt_dir)
-    tag, rank = tag_for(step), dist.get_rank()
-    staging = ckpt_dir / STAGING
-    # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this checkpoint later.
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-
-    client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: {
-        UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(staging), tag=tag, client_state=client_state, save_latest=False)
-    state_path = staging / tag / STATE_FILE.format(rank=rank)
-    torch.save(state, state_path)
-    _fsync_file(state_path)
-    comm.barrier()  # every rank's files are written
-    final = ckpt_dir / tag
-    if rank == 0:
-        for f in (staging / tag).rglob("*"):
-            if f.is_file():
-                _fsync_file(f)
-        if final.exists():  # the same step saved again after a resume: replace it whole
-            shutil.rmtree(final)
-        os.rename(staging / tag, final)
-        for script in staging.glob("*.py"):  # DeepSpeed's zero_to_fp32.py and friends
-            os.replace(script, ckpt_dir / script.name)
-        try:
-            staging.rmdir()  # gone between saves; it exists only while one is being written
-        except OSError:
-            pass
-        _fsync_dir(ckpt_dir)
-        _write_atomic(ckpt_dir / LATEST, tag + "\n")
-        if keep_last > 0:
-            for old in complete_tags(ckpt_dir)[:-keep_last]:
-                if old != tag:
-                    shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-    comm.barrier()
-    return final
 
 
 def latest_tag(ckpt_dir: Path) -> Optional[str]:

@@ -5,7 +5,7 @@ command with `--resume auto` continues the run.
 """
 import signal
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,12 +25,14 @@ class StopSignals:
     def _note(self, signum, frame):
         self.received = signum  # nothing else here: the rank may be inside a collective
 
-    def agreed(self) -> Optional[str]:
-        """On every rank, the name of a stop signal any rank has received, else None."""
-        flag = torch.tensor([self.received or 0], dtype=torch.int64)
-        comm.all_reduce(flag, "max")
-        code = int(flag.item())
-        return signal.Signals(code).name if code else None
+    def agreed(self, idle_here: bool = True) -> Tuple[Optional[str], bool]:
+        """On every rank: the name of a stop signal any rank has received (else None), and
+        whether `idle_here` holds on all ranks (no asynchronous checkpoint write left: the
+        trainer reports a finished save on every rank at the same step). One all-reduce."""
+        flags = torch.tensor([self.received or 0, -int(idle_here)], dtype=torch.int64)
+        comm.all_reduce(flags, "max")  # max of the negated flag: its minimum over the ranks
+        code = int(flags[0].item())
+        return (signal.Signals(code).name if code else None), bool(-flags[1].item())
 
     def restore(self):
         for sig, handler in self._previous.items():

@@ -12,6 +12,7 @@ from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
 from dr_scale.train import checkpoint, hangs
+from dr_scale.train.checkpoint_writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes
 from dr_scale.train.preemption import StopSignals
@@ -44,6 +45,9 @@ class Trainer:
         self.tokens_per_step = layout["global"] * cfg.data.seq_length
         self.model_signature = engine.module.shape.weights_signature()
         self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
+        self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints",
+                                       cfg.train.keep_checkpoints, cfg.train.async_save,
+                                       cfg.train.collective_timeout_s)
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
@@ -82,11 +86,24 @@ class Trainer:
 
     def save_checkpoint(self):
         with hangs.doing(f"checkpoint save at step {self.step}"):
-            path = checkpoint.save(self.engine, self.run_dir / "checkpoints", self.step,
-                                   self.state_dict(), self.cfg.train.keep_checkpoints)
+            self._saved(self.writer.wait())  # the one in flight, if any, first
+            path = self.writer.save(self.step, self.state_dict())
+        if path is None:
+            self.logger.info(f"writing checkpoint of step {self.step} in the background")
+        self._saved((self.step, path) if path else None)
+
+    def finish_checkpoint(self):
+        """Wait for an asynchronous save still in flight (before the run ends or stops)."""
+        with hangs.doing("checkpoint save (finishing the asynchronous write)"):
+            self._saved(self.writer.wait())
+
+    def _saved(self, done):
+        if done is None:
+            return
+        step, path = done
         self.last_checkpoint = path
         self.logger.info(f"saved checkpoint {path}")
-        self.callbacks.fire("on_checkpoint", self, self.step, path)
+        self.callbacks.fire("on_checkpoint", self, step, path)
 
     def resume(self):
         with hangs.doing("checkpoint load"):
@@ -176,6 +193,9 @@ class Trainer:
                 with self._phase("backward"):
                     self.engine.backward(loss)
                 self.callbacks.fire("after_backward", self, self.step, micro)
+                if micro == self.layout["accum"] - 1:
+                    with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
+                        self.writer.before_update()  # they read the weights we now change
                 with self._phase("optimizer_step"):
                     self.engine.step()
                 step_loss += loss.detach().float()
@@ -199,14 +219,19 @@ class Trainer:
                 self.save_checkpoint()
                 window_start = time.perf_counter()
             hangs.now(f"step {self.step} stop-signal agreement")
-            signal_name = signals.agreed()  # every rank, every step: they stop at the same one
+            # every rank, every step: they stop at the same one, and see a save finish at one
+            signal_name, written = signals.agreed(idle_here=self.writer.idle())
+            if written:
+                self._saved(self.writer.wait())
             if signal_name and self.step < stop:
                 if not saved:
                     self.save_checkpoint()
+                self.finish_checkpoint()
                 self.callbacks.fire("on_exit", self)
                 raise Preempted(f"{signal_name} at step {self.step}: checkpoint "
                                 f"{self.last_checkpoint} saved; the same command with "
                                 f"--resume auto continues")
+        self.finish_checkpoint()
         self.callbacks.fire("on_exit", self)
 
     @contextlib.contextmanager
@@ -248,6 +273,9 @@ class Trainer:
     def _pipeline_step(self, batches):
         micro = [next(batches).to(self.device, non_blocking=True)
                  for _ in range(self.layout["accum"])]
+        # the pipeline engine steps the optimizer inside train_batch: no overlap to be had
+        with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
+            self.writer.before_update()
         with self._phase("pipeline_step"):
             loss = self.engine.train_batch(data_iter=iter([self._pipeline_sample(b)
                                                            for b in micro]))

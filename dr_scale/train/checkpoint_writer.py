@@ -1,0 +1,219 @@
+"""Writing a checkpoint: every rank's files made durable by that rank, `latest` moved only when
+all ranks confirm, old checkpoints deleted after the ranks have moved on; synchronous, or
+asynchronous with the files written behind the next step's compute.
+
+The layout and its crash guarantee are checkpoint.py's: files go to checkpoints/.incoming/<tag>/,
+rank 0 renames the folder to checkpoints/<tag>/ and only then names it in checkpoints/latest. A
+crash at any moment before that leaves the previous checkpoint the latest one.
+
+Which files a rank wrote is known exactly: DeepSpeed writes each through its checkpoint engine
+(`engine.checkpoint_engine.save`), and `FileLedger` wraps that engine. On a parallel file system
+a rank's fsync flushes its own writes only, so each rank fsyncs what it wrote, all at once.
+
+Asynchronous saves (`train.async_save`). Measured on this project's CPUs, the cost of a save is
+the write of the state DeepSpeed hands its engine (torch.save + fsync); building those state
+dicts takes milliseconds, and they hold the live tensors, not copies. So the async path copies
+nothing: a writer thread serialises the live tensors while the loop goes on with the next step's
+forward and backward, and the loop waits for this rank's writes only before the next optimizer
+step changes them (`before_update`). No second copy of the optimizer state in memory, unlike a
+snapshot to host memory (DeepSpeed's decoupled engine shares the tensors with a writer process
+the same way and waits at the same point; it needs the async-I/O op, which this project cannot
+require). The confirmation (every rank wrote and fsynced) runs in the thread over a gloo group
+of its own, so it never interleaves with the training loop's collectives; torch's DCP async_save
+uses a separate group for the same reason.
+"""
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dr_scale import comm
+from dr_scale.errors import DrScaleError
+from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
+                                       fsync_file, tag_for, write_atomic)
+
+
+class FileLedger:
+    """Stands in for DeepSpeed's checkpoint engine: records the paths this rank writes, and
+    while `deferring` keeps (state dict, path) for the writer thread instead of writing."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.written: List[str] = []
+        self.deferred: Optional[list] = None
+
+    def save(self, state_dict, path: str):
+        if self.deferred is not None:
+            self.deferred.append((state_dict, path))
+        else:
+            self.inner.save(state_dict, path)
+        self.written.append(path)
+
+    def write_deferred(self):
+        for state_dict, path in self.deferred or ():
+            self.inner.save(state_dict, path)
+
+    def __getattr__(self, name):  # create, load, commit, makedirs, is_decoupled, ...
+        return getattr(self.inner, name)
+
+
+class CheckpointWriter:
+    def __init__(self, engine, ckpt_dir: Path, keep_last: int = 0, asynchronous: bool = False,
+                 timeout_s: int = 600, log=print):
+        self.engine, self.ckpt_dir = engine, Path(ckpt_dir)
+        self.keep_last, self.asynchronous, self.log = keep_last, asynchronous, log
+        self.ledger = FileLedger(engine.checkpoint_engine)
+        engine.checkpoint_engine = self.ledger
+        # the thread's own group: its collectives never interleave with the loop's
+        self.group = (dist.new_group(backend="gloo", timeout=_timedelta(timeout_s))
+                      if asynchronous else None)
+        self._thread: Optional[threading.Thread] = None
+        self._writes_done = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._pending: Optional[tuple] = None  # (step, path) of the save in flight
+        self.blocked_s = 0.0  # time the training loop waited on checkpoint writes, in all
+
+    # -- the loop's side -----------------------------------------------------------------------
+    def save(self, step: int, state: dict) -> Optional[Path]:
+        """Write the checkpoint of `step`. Synchronous: returns its path once complete.
+        Asynchronous: returns None at once; `finished()` reports the path when committed."""
+        t0 = time.perf_counter()
+        self.wait()  # one save at a time
+        tag, rank = tag_for(step), dist.get_rank()
+        staging = self.ckpt_dir / STAGING
+        from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                    UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+        # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this one later
+        client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        self.ledger.written = []
+        self.ledger.deferred = [] if self.asynchronous else None
+        try:
+            self.engine.save_checkpoint(str(staging), tag=tag, client_state=client_state,
+                                        save_latest=False)
+        finally:
+            deferred, self.ledger.deferred = self.ledger.deferred, None
+        # Ours is written now, in either mode: it is small, and the callbacks' state in it
+        # (EMA weights) changes after every step, not only at the optimizer's.
+        state_path = staging / tag / STATE_FILE.format(rank=rank)
+        torch.save(state, state_path)
+        files = [Path(p) for p in self.ledger.written] + [state_path]
+        if not self.asynchronous:
+            path = self.publish(tag, files, group=None)
+            self.blocked_s += time.perf_counter() - t0
+            return path
+        self.ledger.deferred = deferred
+        self._writes_done.clear()
+        self._error = None
+        self._pending = (step, self.ckpt_dir / tag)
+        self._thread = threading.Thread(target=self._write_and_commit, args=(tag, files),
+                                        name=f"dr_scale checkpoint {tag}", daemon=True)
+        self._thread.start()
+        self.blocked_s += time.perf_counter() - t0
+        return None
+
+    def before_update(self):
+        """Before the optimizer changes the weights and its state: this rank's files of an
+        asynchronous save must be written (they are serialised from the live tensors)."""
+        if self._thread is not None and not self._writes_done.is_set():
+            t0 = time.perf_counter()
+            while not self._writes_done.wait(0.05):
+                if not self._thread.is_alive():
+                    break
+            self.blocked_s += time.perf_counter() - t0
+        self._raise_error()
+
+    def idle(self) -> bool:
+        """No asynchronous save in flight on this rank (finished ones not yet collected count
+        as idle: `wait` returns them at once)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Optional[tuple]:
+        """Block until the save in flight (if any) is complete; (step, path) of it."""
+        if self._thread is None:
+            return None
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.blocked_s += time.perf_counter() - t0
+        return self._join()
+
+    def _join(self):
+        self._thread.join()
+        self._thread = None
+        try:
+            self._raise_error()
+        finally:
+            done, self._pending = self._pending, None
+        return done
+
+    def _raise_error(self):
+        if self._error is not None:
+            err, self._error = self._error, None
+            step = self._pending[0] if self._pending else "?"
+            if isinstance(err, DrScaleError):
+                raise err
+            raise DrScaleError(f"checkpoint save at step {step} (asynchronous): "
+                               f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+
+    # -- the writing side ----------------------------------------------------------------------
+    def _write_and_commit(self, tag: str, files: List[Path]):
+        try:
+            try:
+                self.ledger.write_deferred()
+                self.ledger.deferred = None  # drops the references to the live tensors
+            finally:
+                self._writes_done.set()
+            self.publish(tag, files, group=self.group)
+        except BaseException as e:  # noqa: BLE001 - reported to the loop at its next wait
+            self._error = e
+
+    def publish(self, tag: str, files: List[Path], group=None) -> Path:
+        """Each rank fsyncs what it wrote; when every rank confirms, rank 0 publishes."""
+        ok = torch.ones(1)
+        failed = ""
+        try:
+            for f in files:
+                fsync_file(f)
+        except OSError as e:
+            ok.zero_()
+            failed = f"{e.filename}: {e.strerror}"
+        comm.all_reduce(ok, op="min", group=group)
+        if not ok.item():
+            raise DrScaleError(f"checkpoint {tag}: " + (failed or "another rank could not write "
+                               "its files") + f"; {self.ckpt_dir / LATEST} still names the "
+                               "previous checkpoint")
+        staging, final = self.ckpt_dir / STAGING, self.ckpt_dir / tag
+        if dist.get_rank() == 0:
+            for d in sorted({f.parent for f in files} | {staging / tag}):
+                fsync_dir(d)  # the new names in the folder, where this rank made them
+            if final.exists():  # the same step saved again after a resume: replace it whole
+                shutil.rmtree(final)
+            os.rename(staging / tag, final)
+            for script in staging.glob("*.py"):  # DeepSpeed's zero_to_fp32.py and friends
+                os.replace(script, self.ckpt_dir / script.name)
+            try:
+                staging.rmdir()  # exists only while a checkpoint is being written
+            except OSError:
+                pass
+            fsync_dir(self.ckpt_dir)
+            write_atomic(self.ckpt_dir / LATEST, tag + "\n")
+        comm.barrier(group=group)  # the checkpoint is complete for every rank
+        if dist.get_rank() == 0 and self.keep_last > 0:
+            # after the barrier: the other ranks are training while old ones go
+            for old in complete_tags(self.ckpt_dir)[:-self.keep_last]:
+                if old != tag:
+                    shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
+        return final
+
+
+def _timedelta(seconds: int):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)

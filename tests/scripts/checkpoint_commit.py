@@ -1,0 +1,46 @@
+"""Run by tests/test_checkpoint_writer.py on 2 ranks (torch.multiprocessing, gloo): each rank
+publishes the files it wrote; `latest` moves only when both ranks confirm theirs."""
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank_main(rank, port, ckpt_dir, out):
+    from dr_scale.errors import DrScaleError
+    from dr_scale.train.checkpoint import STAGING, tag_for
+    from dr_scale.train.checkpoint_writer import CheckpointWriter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ckpt_dir = Path(ckpt_dir)
+    # publish() needs no engine: the files are the ranks' own
+    writer = CheckpointWriter(types.SimpleNamespace(checkpoint_engine=None), ckpt_dir,
+                              keep_last=2)
+    result = {}
+    for step in (1, 2, 3, 4):
+        folder = ckpt_dir / STAGING / tag_for(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / f"rank{rank}.bin"
+        mine.write_bytes(bytes([rank, step]) * 1000)
+        if step == 4 and rank == 1:
+            mine.unlink()  # this rank's write was lost
+        try:
+            writer.publish(tag_for(step), [mine])
+            result[step] = "published"
+        except DrScaleError as e:
+            result[step] = str(e)
+        dist.barrier()
+        result[f"latest_after_{step}"] = (ckpt_dir / "latest").read_text().strip()
+        result[f"kept_after_{step}"] = sorted(p.name for p in ckpt_dir.iterdir()
+                                              if p.name.startswith("step_"))
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2)

@@ -1,0 +1,32 @@
+"""Checkpoint publication over a real 2-rank gloo group: every rank fsyncs its own files, the
+checkpoint is renamed and named in `latest` only when all ranks confirm, old ones go after."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT, free_port
+
+
+def test_latest_moves_only_when_every_rank_confirms(tmp_path):
+    ckpt, out = tmp_path / "checkpoints", tmp_path / "result"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "checkpoint_commit.py"),
+                           str(free_port()), str(ckpt), str(out)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"result.{rank}").read_text())
+        assert [r[str(s)] for s in (1, 2, 3)] == ["published"] * 3
+        assert [r[f"latest_after_{s}"] for s in (1, 2, 3)] == [
+            "step_00000001", "step_00000002", "step_00000003"]
+        assert r["kept_after_3"] == ["step_00000002", "step_00000003"]  # keep_last=2
+        # rank 1 lost its file at step 4: both ranks fail in one line, latest stays at 3
+        assert r["4"].startswith("checkpoint step_00000004: ")
+        assert "latest still names the previous checkpoint" in r["4"]
+        assert r["latest_after_4"] == "step_00000003"
+        assert r["kept_after_4"] == ["step_00000002", "step_00000003"]
+    rank1 = json.loads((tmp_path / "result.1").read_text())
+    assert "rank1.bin: No such file or directory" in rank1["4"]  # names the file it lost
+    final = ckpt / "step_00000003"
+    assert sorted(p.name for p in final.iterdir()) == ["rank0.bin", "rank1.bin"]
+    assert (final / "rank1.bin").read_bytes() == bytes([1, 3]) * 1000
+    assert (ckpt / ".incoming" / "step_00000004" / "rank0.bin").exists()  # not published
