@@ -4,6 +4,7 @@
     dr-scale tokenizer  --type bpe --input a.jsonl --out tok   (a tokenizer.json)
     dr-scale preprocess --input a.jsonl b.parquet --tokenizer tok.model --out data/corpus [--workers N]
     dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema]
+    dr-scale reshard    --run_dir runs/X --ranks 16 [--zero_stage 3] [--step N] [--workers K]
     dr-scale presets
     dr-scale estimate   --ds_config zero3 --ranks 8 [--config Y] [dotted.key=value ...] [--json]
     dr-scale bench      [--quick] [benchmarks/throughput.py options]
@@ -69,6 +70,41 @@ def cmd_export(a):
         raise DrScaleError(f"{run_dir}: no tokenizer.model or tokenizer.json (not a run folder?)")
     write_folder(out, state, shape, load_tokenizer(tok_file))
     print(f"wrote {out} (Hugging Face LlamaForCausalLM) from {ckpt_dir / tag}")
+
+
+def cmd_reshard(a):
+    import json
+    import resource
+    from pathlib import Path
+
+    from dr_scale.train.checkpoint import find_tag, saved_parallel_layout
+    from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
+
+    run_dir = Path(a.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    tag = find_tag(ckpt_dir, a.step)
+    stage = a.zero_stage
+    if stage is None:  # the run's own DeepSpeed config
+        snapshot = run_dir / "ds_config.json"
+        try:
+            stage = int(json.loads(snapshot.read_text()).get("zero_optimization", {})
+                        .get("stage", 0))
+        except (OSError, ValueError) as e:
+            raise DrScaleError(f"{snapshot}: unreadable ({type(e).__name__}); give --zero_stage")
+    tensor, pipeline = saved_parallel_layout(ckpt_dir / tag)
+    plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline)
+    if plan == "direct":
+        print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}; "
+              "nothing to convert")
+        return
+    workers = a.workers or default_workers(ckpt_dir / tag)
+    print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage} with {workers} "
+          "worker(s)", flush=True)
+    t0 = time.time()
+    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+    print(f"wrote {out} in {time.time() - t0:.1f} s (largest process {peak:.2f} GiB); "
+          f"`--resume` on {a.ranks} rank(s) loads it")
 
 
 def cmd_presets(a):
@@ -169,6 +205,17 @@ def build_parser():
     ex.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
     ex.add_argument("--ema", action="store_true", help="export the EMA weights")
     ex.set_defaults(fn=cmd_export)
+    rs = sub.add_parser("reshard", help="convert a checkpoint for another number of ranks or "
+                        "ZeRO stage, ahead of the job that resumes it")
+    rs.add_argument("--run_dir", required=True)
+    rs.add_argument("--ranks", type=int, required=True, help="the world size of the resumed run")
+    rs.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
+                    help="of the resumed run (default: the run's own ds_config.json)")
+    rs.add_argument("--step", type=int, default=None,
+                    help="default: the latest checkpoint, the one --resume loads")
+    rs.add_argument("--workers", type=int, default=None, help="parallel conversion processes "
+                    "(default: cores, bounded by the memory one rank's file needs)")
+    rs.set_defaults(fn=cmd_reshard)
     pr = sub.add_parser("presets", help="list model presets with sizes")
     pr.set_defaults(fn=cmd_presets)
     es = sub.add_parser("estimate", help="predict per-rank memory of a run (no model allocated)")

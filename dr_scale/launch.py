@@ -25,7 +25,8 @@ from dr_scale.models import build_model, resolve_shape
 from dr_scale.parallel import parallelize as par
 from dr_scale.parallel.topology import Topology
 from dr_scale.run_setup import (StartLine, choose_run_dir, load_run_config, parse_args,
-                                plan_resume, prepare_data, run_facts, select_kernels,
+                                plan_resume, prepare_data, reshard_before_group, run_facts,
+                                select_kernels,
                                 settle_resume, write_run_snapshot)
 from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
@@ -48,6 +49,8 @@ def check_config(args):
     dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path))
     build_callbacks(cfg.callbacks, topo.pipeline)
     dataset_types(cfg.data)
+    if args.resume:
+        reshard_before_group(run_dir.resolve(), topo, raw_ds, cfg.train.collective_timeout_s)
     return cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old
 
 

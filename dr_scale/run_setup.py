@@ -24,8 +24,9 @@ from dr_scale.export.hf import apply_init_from
 from dr_scale.kernels import ops
 from dr_scale.kernels.registry import select
 from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
-from dr_scale.train.checkpoint import (complete_tags, convert_to_universal, find_tag, reshard_plan,
-                                       saved_position)
+from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position
+from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universal_ready,
+                                    wait_for_universal)
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
@@ -133,19 +134,36 @@ def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
     return run_dir
 
 
+def reshard_before_group(run_dir: Path, topo, raw_ds: dict, timeout_s: int):
+    """--resume on another number of ranks or ZeRO family: the checkpoint is converted to
+    DeepSpeed's universal format before the process group exists, by global rank 0 (the others
+    wait for its output on the shared file system), so no collective waits on the conversion."""
+    ckpt_dir = run_dir / "checkpoints"
+    tag = find_tag(ckpt_dir)
+    stage = dsc.zero_stage(raw_ds)
+    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
+    if plan != "universal" or universal_ready(ckpt_dir, tag, stage, topo.world):
+        return
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"dr_scale: resharding {ckpt_dir / tag} for {topo.world} rank(s) at ZeRO-{stage} "
+              f"(DeepSpeed universal checkpoint; `dr-scale reshard` does this ahead of a job)",
+              flush=True)
+        t0 = time.time()
+        convert_to_universal(ckpt_dir, tag, stage, topo.world)
+        print(f"dr_scale: resharded in {time.time() - t0:.1f} s", flush=True)
+    else:
+        wait_for_universal(ckpt_dir, tag, stage, topo.world, stall_s=timeout_s)
+
+
 def plan_resume(ckpt_dir: Path, topo, ds: dict):
-    """(step, samples consumed, plan) for --resume; with another number of ranks or ZeRO stage,
-    rank 0 converts the checkpoint to DeepSpeed's universal format first (once) and every rank
-    loads that."""
+    """(step, samples consumed, plan) for --resume; "universal" loads the form
+    reshard_before_group made."""
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(ds)
     plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
-    if plan == "universal":
-        if topo.rank == 0:
-            print(f"dr_scale: resharding {ckpt_dir / tag} for {topo.world} rank(s) at ZeRO-"
-                  f"{stage} (DeepSpeed universal checkpoint)", flush=True)
-            convert_to_universal(ckpt_dir, tag, stage, topo.world)
-        comm.barrier()
+    if plan == "universal" and not universal_ready(ckpt_dir, tag, stage, topo.world):
+        raise DrScaleError(f"{ckpt_dir / tag}: its universal form for {topo.world} rank(s) at "
+                           f"ZeRO-{stage} went missing during start-up")
     step, consumed = saved_position(ckpt_dir / tag)
     return step, consumed, plan
 

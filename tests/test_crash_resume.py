@@ -136,6 +136,42 @@ def test_bad_checkpoints_are_one_line_errors_and_nothing_is_overwritten(
     assert {k: v for k, v in after.items() if "resumes" not in str(k)} == before
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, reference, short_run,
+                                                                     cache_dir, tmp_path):
+    """Files limited to 30 MB (RLIMIT_FSIZE: a full disk as a write sees it) while a ZeRO-3
+    shard needs 48 MB: the step-6 save fails on both ranks, each stops with one line naming
+    its file, and the step-3 checkpoint stays the latest, byte for byte."""
+    import hashlib
+    import resource
+    import shutil
+
+    ds, _ = reference
+    run = tmp_path / "run"
+    shutil.copytree(short_run, run)
+    ckpt = run / "checkpoints"
+    digest = lambda: {p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+                      for p in sorted((ckpt / "step_00000003").iterdir())}
+    before = digest()
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (30 * 10**6,) * 2)  # noqa: E731
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+                           str(PRETRAIN), "--ds_config", str(ds), "--run_dir", str(run),
+                           "--resume", "train.max_steps=6", f"train.async_save={str(mode == 'async').lower()}"],
+                          env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    errors = [line for line in proc.stderr.splitlines() if "dr_scale: error:" in line]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for rank, line in enumerate(sorted(errors, key=lambda l: "[rank" in l)):
+        assert re.search(rf"checkpoint step_00000006: \S+/zero_pp_rank_{rank}_mp_rank_00_optim_"
+                         r"states.pt: could not be written \(.*GiB free there\); \S+latest still "
+                         "names the previous checkpoint", line), errors
+    assert len(errors) == 2
+    assert (ckpt / "latest").read_text() == "step_00000003\n"
+    assert digest() == before
+    assert not (ckpt / "step_00000006").exists()
+
+
 def test_checkpoint_of_another_shape_is_refused(reference, short_run, cache_dir, tmp_path):
     import shutil
 
@@ -305,3 +341,47 @@ def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_pa
     assert found, text[-3000:]
     assert 10 <= waited < 90, waited
     assert "Traceback" not in text.split(found.group(0))[0][-2000:]
+
+
+def test_torchrun_elastic_agent_restarts_a_group_that_lost_a_rank(reference, cache_dir,
+                                                                   tmp_path):
+    """launchers/torchrun_elastic.sh on 2 ranks: rank 1 is SIGKILLed after step 5 (a checkpoint
+    at 3); the agent stops rank 0, starts the group again, and --resume auto continues from the
+    checkpoint to the uninterrupted run's losses, bitwise (fp32), each step once."""
+    import psutil
+
+    ds, expected = reference
+    run = tmp_path / "run"
+    env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1", NPROC_PER_NODE="2",
+               MAX_RESTARTS="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", JOB_ID="elastic_test")
+    script = PRETRAIN.parent / "torchrun_elastic.sh"
+    with open(tmp_path / "elastic.log", "w") as log:
+        proc = subprocess.Popen([str(script), "--ds_config", str(ds), "--run_dir", str(run),
+                                 *ARGS], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+        def rank1():
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if child.environ().get("RANK") == "1" and "pretrain.py" in " ".join(
+                            child.cmdline()):
+                        return child
+                except psutil.Error:
+                    pass
+        deadline = time.time() + 300
+        while 5 not in logged_steps(run):
+            assert proc.poll() is None and time.time() < deadline, "no step 5 before the kill"
+            time.sleep(0.05)
+        victim = rank1()
+        victim.kill()
+        try:
+            code = proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "elastic.log").read_text()
+    assert code == 0, text[-3000:]
+    assert f"resumed from {run / 'checkpoints'}" in text  # the restarted group resumed
+    got = [r for r in records(run) if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, 13))          # each step once
+    assert {r["step"]: r["loss"] for r in got} == expected         # bitwise, fp32

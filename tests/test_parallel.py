@@ -101,7 +101,7 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
     assert_same(got, reference)
     # Resuming it: the same layout loads directly; another TP size, or another number of ranks
     # (DeepSpeed's universal conversion would join row-parallel slices wrongly), is refused.
-    from dr_scale.train.checkpoint import reshard_plan
+    from dr_scale.train.reshard import reshard_plan
 
     ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"

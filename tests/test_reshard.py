@@ -1,6 +1,8 @@
 """A checkpoint written by N ranks resumes on M ranks (and ZeRO-1 <-> ZeRO-2), the loss going
 on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -60,6 +62,33 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
     for step in range(5, 9):  # same data and weights, other reduction order and sharding
         assert b[step] == pytest.approx(a[step], rel=1e-3), step
     assert b[8] < b[1]
+
+
+def test_reshard_ahead_of_the_job_with_parallel_workers(uninterrupted, cache_dir, tmp_path):
+    """`dr-scale reshard` converts before any job: 1 worker and 2 write the same bytes, and the
+    resumed run loads the result without converting again."""
+    full = uninterrupted(2, "zero3")
+    runs = {w: tmp_path / f"w{w}" / "run" for w in (1, 2)}
+    for workers, run in runs.items():
+        stopped_at_step_4(full, run)
+        proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir",
+                               str(run), "--ranks", "1", "--workers", str(workers)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"with {workers} worker(s)" in proc.stdout
+        assert "universal/zero3-1ranks/step_00000004 in " in proc.stdout
+    made = {w: run / "checkpoints" / "universal" / "zero3-1ranks" / "step_00000004"
+            for w, run in runs.items()}
+    files = sorted(p.relative_to(made[1]) for p in made[1].rglob("*") if p.is_file())
+    assert len(files) > 20
+    assert files == sorted(p.relative_to(made[2]) for p in made[2].rglob("*") if p.is_file())
+    for f in files:
+        assert (made[1] / f).read_bytes() == (made[2] / f).read_bytes(), f
+    proc = launch(["--ds_config", "zero3", "--run_dir", runs[2], "--resume"], 1, cache_dir)
+    assert "resharding" not in proc.stdout and "at step 4 (32 samples consumed)" in proc.stdout
+    a, b = losses(full), losses(runs[2])
+    for step in range(5, 9):
+        assert b[step] == pytest.approx(a[step], rel=1e-3), step
 
 
 def test_zero0_to_zero1_is_refused_with_what_to_do(cache_dir, tmp_path):

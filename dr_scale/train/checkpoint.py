@@ -163,93 +163,6 @@ def tensor_ranks(tag_dir: Path) -> list:
                    if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
-def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
-                 tensor: int = 1, pipeline: int = 1):
-    """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
-    checkpoint, converted on first use); one line of error where neither can work."""
-    tag_dir = Path(ckpt_dir) / tag
-    written = ranks_written(tag_dir)
-    saved = saved_parallel_layout(tag_dir)
-    if saved != (tensor, pipeline):
-        raise DrScaleError(
-            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]}, "
-            f"resumed with {tensor} x {pipeline}: resume with the same parallel.tensor_parallel and "
-            f"parallel.pipeline_parallel (to change them, `dr-scale export` the weights and start "
-            f"a run from them with model.init_from)")
-    if (tensor > 1 or pipeline > 1) and written != world_size:
-        # DeepSpeed's universal conversion joins AutoTP's row-parallel slices on the wrong
-        # dimension (o_proj came out 2x taller): a wrong model, not an error. Refuse it.
-        raise DrScaleError(
-            f"{tag_dir}: a tensor- or pipeline-parallel checkpoint of {written} rank(s) resumes on "
-            f"{written} rank(s) only, not {world_size}; to change the data-parallel size, "
-            f"`dr-scale export` the weights and start a run from them with model.init_from")
-    family = saved_zero_family(tag_dir)
-    shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
-    if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
-        raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
-                           f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
-    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
-    if written == world_size and family == target:
-        return "direct"
-    if family == 0 and target == 0:
-        return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
-    if family and target:
-        return "universal"
-    names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
-    raise DrScaleError(
-        f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
-        f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
-        "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
-        "and model.init_from")
-
-
-def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
-    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
-    family = "zero3" if target_stage == 3 else "zero12"
-    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
-                                           else family)
-
-
-def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int) -> Path:
-    """Run DeepSpeed's ds_to_universal once per tag and target (rank 0), then adapt it to the
-    target's ZeRO family if the source was the other one; our rank-0 state goes along."""
-    import subprocess
-    import sys
-
-    from dr_scale.train import universal
-
-    source = saved_zero_family(Path(ckpt_dir) / tag)
-    out = universal_dir(ckpt_dir, target_stage, world_size) / tag
-    if (out / STATE_FILE.format(rank=0)).is_file():
-        return out
-    tmp = out.parent / f".{tag}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                           "--input_folder", str(Path(ckpt_dir) / tag), "--output_folder",
-                           str(tmp), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise DrScaleError(f"{Path(ckpt_dir) / tag}: conversion to a universal checkpoint failed "
-                           f"({last[:200]})")
-    if source == 3 and target_stage in (1, 2):
-        universal.zero3_to_zero12(tmp)
-    elif source == 1 and target_stage == 3:
-        universal.zero12_to_zero3(tmp, world_size)
-    elif source == 3:
-        for rank in range(world_size):  # ZeRO-3 opens one model-states file per rank
-            src = tmp / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-            dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-            if not dst.exists():
-                shutil.copyfile(src, dst)
-    shutil.copyfile(Path(ckpt_dir) / tag / STATE_FILE.format(rank=0),
-                    tmp / STATE_FILE.format(rank=0))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
-    return out
-
-
 def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
          target_stage: int = 0):
     """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
@@ -259,6 +172,8 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
     rank = dist.get_rank()
     tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
+    from dr_scale.train.reshard import universal_dir
+
     load_dir = (universal_dir(ckpt_dir, target_stage, dist.get_world_size())
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)

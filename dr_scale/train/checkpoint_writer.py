@@ -16,9 +16,11 @@ dicts takes milliseconds, and they hold the live tensors, not copies. So the asy
 nothing: a writer thread serialises the live tensors while the loop goes on with the next step's
 forward and backward, and the loop waits for this rank's writes only before the next optimizer
 step changes them (`before_update`). No second copy of the optimizer state in memory, unlike a
-snapshot to host memory (DeepSpeed's decoupled engine shares the tensors with a writer process
-the same way and waits at the same point; it needs the async-I/O op, which this project cannot
-require). The confirmation (every rank wrote and fsynced) runs in the thread over a gloo group
+snapshot to host memory: llama_1b on one rank here peaks at 21.6 GiB of a 23 GiB machine, and a
+snapshot would add its 11 GiB of state (torch DCP's async_save stages such a copy, and writes
+its own format, which neither DeepSpeed's loader nor ds_to_universal reads). DeepSpeed's
+decoupled engine shares the tensors with a writer process and waits at the same point, but it
+writes through the async-I/O op (libaio), which this project cannot require. The confirmation (every rank wrote and fsynced) runs in the thread over a gloo group
 of its own, so it never interleaves with the training loop's collectives; torch's DCP async_save
 uses a separate group for the same reason.
 """
@@ -39,24 +41,21 @@ from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tag
 
 
 class FileLedger:
-    """Stands in for DeepSpeed's checkpoint engine: records the paths this rank writes, and
-    while `deferring` keeps (state dict, path) for the writer thread instead of writing."""
+    """Stands in for DeepSpeed's checkpoint engine: keeps each (state dict, path) DeepSpeed asks
+    to write, to be written after `save_checkpoint` returns. Then no write happens between
+    DeepSpeed's own collectives, so a rank whose write fails (a full disk) can still meet the
+    others in the confirmation and all of them stop in one line instead of waiting."""
 
     def __init__(self, inner):
         self.inner = inner
-        self.written: List[str] = []
-        self.deferred: Optional[list] = None
+        self.deferred: list = []
 
     def save(self, state_dict, path: str):
-        if self.deferred is not None:
-            self.deferred.append((state_dict, path))
-        else:
-            self.inner.save(state_dict, path)
-        self.written.append(path)
+        self.deferred.append((state_dict, path))
 
-    def write_deferred(self):
-        for state_dict, path in self.deferred or ():
-            self.inner.save(state_dict, path)
+    def take(self) -> list:
+        out, self.deferred = self.deferred, []
+        return out
 
     def __getattr__(self, name):  # create, load, commit, makedirs, is_decoupled, ...
         return getattr(self.inner, name)
@@ -76,14 +75,14 @@ class CheckpointWriter:
         self._writes_done = threading.Event()
         self._error: Optional[BaseException] = None
         self._pending: Optional[tuple] = None  # (step, path) of the save in flight
-        self.blocked_s = 0.0  # time the training loop waited on checkpoint writes, in all
+        self._blocked_s = 0.0  # how long the loop has waited for the save in flight
 
     # -- the loop's side -----------------------------------------------------------------------
-    def save(self, step: int, state: dict) -> Optional[Path]:
-        """Write the checkpoint of `step`. Synchronous: returns its path once complete.
-        Asynchronous: returns None at once; `finished()` reports the path when committed."""
-        t0 = time.perf_counter()
+    def save(self, step: int, state: dict) -> Optional[tuple]:
+        """Write the checkpoint of `step`. Synchronous: (step, path, seconds the loop waited)
+        once complete. Asynchronous: None at once; `wait` returns that triple when complete."""
         self.wait()  # one save at a time
+        t0 = time.perf_counter()
         tag, rank = tag_for(step), dist.get_rank()
         staging = self.ckpt_dir / STAGING
         from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
@@ -93,30 +92,29 @@ class CheckpointWriter:
         # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this one later
         client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-        self.ledger.written = []
-        self.ledger.deferred = [] if self.asynchronous else None
+        self.ledger.take()
         try:
             self.engine.save_checkpoint(str(staging), tag=tag, client_state=client_state,
                                         save_latest=False)
         finally:
-            deferred, self.ledger.deferred = self.ledger.deferred, None
+            writes = self.ledger.take()
         # Ours is written now, in either mode: it is small, and the callbacks' state in it
         # (EMA weights) changes after every step, not only at the optimizer's.
         state_path = staging / tag / STATE_FILE.format(rank=rank)
-        torch.save(state, state_path)
-        files = [Path(p) for p in self.ledger.written] + [state_path]
+        failure = _written(lambda: torch.save(state, state_path), state_path)
         if not self.asynchronous:
-            path = self.publish(tag, files, group=None)
-            self.blocked_s += time.perf_counter() - t0
-            return path
-        self.ledger.deferred = deferred
+            failure = failure or self._write(writes)
+            path = self.publish(tag, [Path(p) for _, p in writes] + [state_path],
+                                failure=failure)
+            return step, path, time.perf_counter() - t0
         self._writes_done.clear()
         self._error = None
         self._pending = (step, self.ckpt_dir / tag)
-        self._thread = threading.Thread(target=self._write_and_commit, args=(tag, files),
+        self._thread = threading.Thread(target=self._write_and_commit,
+                                        args=(tag, writes, state_path, failure),
                                         name=f"dr_scale checkpoint {tag}", daemon=True)
         self._thread.start()
-        self.blocked_s += time.perf_counter() - t0
+        self._blocked_s = time.perf_counter() - t0
         return None
 
     def before_update(self):
@@ -127,7 +125,7 @@ class CheckpointWriter:
             while not self._writes_done.wait(0.05):
                 if not self._thread.is_alive():
                     break
-            self.blocked_s += time.perf_counter() - t0
+            self._blocked_s += time.perf_counter() - t0
         self._raise_error()
 
     def idle(self) -> bool:
@@ -136,12 +134,13 @@ class CheckpointWriter:
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> Optional[tuple]:
-        """Block until the save in flight (if any) is complete; (step, path) of it."""
+        """Block until the save in flight (if any) is complete; (step, path, seconds the loop
+        waited for it in all) of it."""
         if self._thread is None:
             return None
         t0 = time.perf_counter()
         self._thread.join()
-        self.blocked_s += time.perf_counter() - t0
+        self._blocked_s += time.perf_counter() - t0
         return self._join()
 
     def _join(self):
@@ -151,7 +150,7 @@ class CheckpointWriter:
             self._raise_error()
         finally:
             done, self._pending = self._pending, None
-        return done
+        return (*done, self._blocked_s)
 
     def _raise_error(self):
         if self._error is not None:
@@ -163,23 +162,35 @@ class CheckpointWriter:
                                f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
 
     # -- the writing side ----------------------------------------------------------------------
-    def _write_and_commit(self, tag: str, files: List[Path]):
+    def _write(self, writes: list) -> Optional[str]:
+        """Write DeepSpeed's state dicts; the first failure as a line, else None."""
+        for state_dict, path in writes:
+            failure = _written(lambda: self.ledger.inner.save(state_dict, path), path)
+            if failure:
+                return failure
+        return None
+
+    def _write_and_commit(self, tag: str, writes: list, state_path: Path,
+                          failure: Optional[str]):
         try:
             try:
-                self.ledger.write_deferred()
-                self.ledger.deferred = None  # drops the references to the live tensors
+                failure = failure or self._write(writes)
+                paths = [Path(p) for _, p in writes] + [state_path]
+                del writes  # the references to the live tensors
             finally:
                 self._writes_done.set()
-            self.publish(tag, files, group=self.group)
+            self.publish(tag, paths, group=self.group, failure=failure)
         except BaseException as e:  # noqa: BLE001 - reported to the loop at its next wait
             self._error = e
 
-    def publish(self, tag: str, files: List[Path], group=None) -> Path:
-        """Each rank fsyncs what it wrote; when every rank confirms, rank 0 publishes."""
-        ok = torch.ones(1)
-        failed = ""
+    def publish(self, tag: str, files: List[Path], group=None,
+                failure: Optional[str] = None) -> Path:
+        """Each rank fsyncs what it wrote; when every rank confirms, rank 0 publishes.
+        `failure`: this rank could not write its files (the line says why)."""
+        ok = torch.tensor([0.0 if failure else 1.0])
+        failed = failure or ""
         try:
-            for f in files:
+            for f in [] if failure else files:
                 fsync_file(f)
         except OSError as e:
             ok.zero_()
@@ -211,6 +222,22 @@ class CheckpointWriter:
                 if old != tag:
                     shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
         return final
+
+
+def _written(write, path) -> Optional[str]:
+    """Run `write`; None when it worked, else one line naming the file, the error and the free
+    space (torch reports a full disk as 'unexpected pos', not as an OSError)."""
+    try:
+        write()
+        return None
+    except (OSError, RuntimeError) as e:
+        folder = Path(path).parent
+        try:
+            free = f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+        except OSError:
+            free = "free space unknown"
+        detail = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:120]
+        return f"{path}: could not be written ({detail}; {free})"
 
 
 def _timedelta(seconds: int):

@@ -87,10 +87,10 @@ class Trainer:
     def save_checkpoint(self):
         with hangs.doing(f"checkpoint save at step {self.step}"):
             self._saved(self.writer.wait())  # the one in flight, if any, first
-            path = self.writer.save(self.step, self.state_dict())
-        if path is None:
+            done = self.writer.save(self.step, self.state_dict())
+        if done is None:
             self.logger.info(f"writing checkpoint of step {self.step} in the background")
-        self._saved((self.step, path) if path else None)
+        self._saved(done)
 
     def finish_checkpoint(self):
         """Wait for an asynchronous save still in flight (before the run ends or stops)."""
@@ -100,9 +100,10 @@ class Trainer:
     def _saved(self, done):
         if done is None:
             return
-        step, path = done
+        step, path, waited = done
         self.last_checkpoint = path
-        self.logger.info(f"saved checkpoint {path}")
+        self.logger.info(f"saved checkpoint {path} (the training loop waited {waited:.2f} s "
+                         "for it)")
         self.callbacks.fire("on_checkpoint", self, step, path)
 
     def resume(self):

@@ -1,0 +1,182 @@
+"""Resharding a checkpoint for another number of ranks or ZeRO family: DeepSpeed's universal
+checkpoint format, made once per tag and target under checkpoints/universal/.
+
+The conversion runs before any process group exists: offline as `dr-scale reshard`, or at a
+`--resume` that needs it, where rank 0 converts while the other ranks wait for its output on the
+file system (universal_ready) instead of in a collective bounded by train.collective_timeout_s.
+DeepSpeed's ds_to_universal does the work with parallel workers: one extracting each rank's
+optimizer file, others merging each parameter's fragments; their number is bounded by the cores
+and by the host memory one rank's file needs.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from dr_scale.errors import DrScaleError
+from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
+                                       saved_zero_family)
+
+FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
+
+
+def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
+                 tensor: int = 1, pipeline: int = 1):
+    """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
+    checkpoint, converted on first use); one line of error where neither can work."""
+    tag_dir = Path(ckpt_dir) / tag
+    written = ranks_written(tag_dir)
+    saved = saved_parallel_layout(tag_dir)
+    if saved != (tensor, pipeline):
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]}, "
+            f"resumed with {tensor} x {pipeline}: resume with the same parallel.tensor_parallel and "
+            f"parallel.pipeline_parallel (to change them, `dr-scale export` the weights and start "
+            f"a run from them with model.init_from)")
+    if (tensor > 1 or pipeline > 1) and written != world_size:
+        # DeepSpeed's universal conversion joins AutoTP's row-parallel slices on the wrong
+        # dimension (o_proj came out 2x taller): a wrong model, not an error. Refuse it.
+        raise DrScaleError(
+            f"{tag_dir}: a tensor- or pipeline-parallel checkpoint of {written} rank(s) resumes on "
+            f"{written} rank(s) only, not {world_size}; to change the data-parallel size, "
+            f"`dr-scale export` the weights and start a run from them with model.init_from")
+    family = saved_zero_family(tag_dir)
+    shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
+    if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
+        raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
+                           f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
+    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
+    if written == world_size and family == target:
+        return "direct"
+    if family == 0 and target == 0:
+        return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
+    if family and target:
+        return "universal"
+    names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
+    raise DrScaleError(
+        f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
+        f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
+        "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
+        "and model.init_from")
+
+
+def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
+    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
+    family = "zero3" if target_stage == 3 else "zero12"
+    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
+                                           else family)
+
+
+def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int) -> bool:
+    return (universal_dir(ckpt_dir, target_stage, world_size) / tag /
+            STATE_FILE.format(rank=0)).is_file()
+
+
+def default_workers(tag_dir: Path) -> int:
+    """As many as there are cores and rank files, while each worker's rank file (loaded whole,
+    and about as much again for the fragments it cuts) fits in half the available memory."""
+    import psutil
+
+    files = list(Path(tag_dir).glob("*optim_states.pt"))
+    largest = max((f.stat().st_size for f in files), default=1)
+    by_memory = int(psutil.virtual_memory().available * 0.5 // (2 * largest))
+    return max(1, min(os.cpu_count() or 1, len(files) or 1, by_memory))
+
+
+def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
+                         workers: Optional[int] = None, show_progress: bool = True) -> Path:
+    """Run DeepSpeed's ds_to_universal once per tag and target, then adapt it to the target's
+    ZeRO family if the source was the other one; our rank-0 state goes along. DeepSpeed's
+    progress bars (percent, rate, ETA) go to stderr. A failure leaves a one-line note for the
+    ranks waiting on the output, and nothing in the checkpoint changed."""
+    from dr_scale.train import universal
+
+    ckpt_dir = Path(ckpt_dir)
+    source = saved_zero_family(ckpt_dir / tag)
+    out = universal_dir(ckpt_dir, target_stage, world_size) / tag
+    if universal_ready(ckpt_dir, tag, target_stage, world_size):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    failed = out.parent / FAILED.format(tag=tag)
+    failed.unlink(missing_ok=True)
+    workers = workers or default_workers(ckpt_dir / tag)
+    tmp = out.parent / f".{tag}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _ds_to_universal(ckpt_dir / tag, tmp, workers, show_progress)
+        if source == 3 and target_stage in (1, 2):
+            universal.zero3_to_zero12(tmp)
+        elif source == 1 and target_stage == 3:
+            universal.zero12_to_zero3(tmp, world_size)
+        elif source == 3:
+            for rank in range(world_size):  # ZeRO-3 opens one model-states file per rank
+                src = tmp / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+                dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+                if not dst.exists():
+                    shutil.copyfile(src, dst)
+        shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
+    except DrScaleError as e:
+        failed.write_text(str(e) + "\n")
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    os.rename(tmp, out)
+    return out
+
+
+def _ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool):
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(tag_dir), "--output_folder", str(out), "--num_extract_workers", str(workers),
+           "--num_merge_workers", str(workers)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    tail = bytearray()
+
+    def relay():  # tqdm's bars through to our stderr; the tail kept for an error line
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            if show_progress:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+            tail.extend(chunk)
+            del tail[:-8192]
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    code = proc.wait()
+    reader.join()
+    if code != 0:
+        lines = [ln for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines()
+                 if ln.strip()]
+        raise DrScaleError(f"{tag_dir}: conversion to a universal checkpoint failed "
+                           f"({(lines or ['?'])[-1][:200]})")
+
+
+def wait_for_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
+                       stall_s: int, poll_s: float = 0.5):
+    """Another rank converts (before any process group exists): wait for its output; give up
+    with its error line, or when the conversion has written nothing for `stall_s` seconds."""
+    out = universal_dir(ckpt_dir, target_stage, world_size)
+    failed = out / FAILED.format(tag=tag)
+    last_change, last_size = time.monotonic(), -1
+    while not universal_ready(ckpt_dir, tag, target_stage, world_size):
+        if failed.is_file():
+            raise DrScaleError(failed.read_text().strip())
+        size = _bytes_under(out / f".{tag}.tmp")
+        if size != last_size:
+            last_change, last_size = time.monotonic(), size
+        elif time.monotonic() - last_change > stall_s:
+            raise DrScaleError(
+                f"{Path(ckpt_dir) / tag}: waited {stall_s} s for rank 0's conversion to a "
+                f"universal checkpoint with no progress; convert it first with `dr-scale "
+                f"reshard --run_dir {Path(ckpt_dir).parent} --ranks {world_size} "
+                f"--zero_stage {target_stage}`, then resume")
+        time.sleep(poll_s)
+
+
+def _bytes_under(folder: Path) -> int:
+    try:
+        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    except OSError:  # renamed while we looked: done
+        return -2
