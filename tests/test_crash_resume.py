@@ -380,7 +380,8 @@ def test_torchrun_elastic_agent_restarts_a_group_that_lost_a_rank(reference, cac
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     text = (tmp_path / "elastic.log").read_text()
-    assert code == 0, text[-3000:]
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    assert code == 0, "\n".join(errors[:20]) + text[-2000:]
     assert f"resumed from {run / 'checkpoints'}" in text  # the restarted group resumed
     got = [r for r in records(run) if "loss" in r]
     assert [r["step"] for r in got] == list(range(1, 13))          # each step once
