@@ -21,8 +21,9 @@ from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempt
                              TrainingStopped)
 from dr_scale.export.hf import load_into
 from dr_scale.hardware import bf16_support
-from dr_scale.models import build_model, resolve_shape
+from dr_scale.models import resolve_shape
 from dr_scale.parallel import parallelize as par
+from dr_scale.parallel.sharded_build import build_for_run
 from dr_scale.parallel.topology import Topology
 from dr_scale.run_setup import (StartLine, choose_run_dir, load_run_config, parse_args,
                                 plan_resume, prepare_data, reshard_before_group, run_facts,
@@ -83,7 +84,7 @@ def run(args):
     shape, kernels_line = select_kernels(shape, cfg.model, device.type, precision,
                                          cfg.data.reset_positions)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(shape)
+    model = build_for_run(shape, ds, topo)  # sharded as it is built under ZeRO-3
     if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
         load_into(model, init_state, cfg.model.init_from)
     del init_state

@@ -125,8 +125,12 @@ def apply_init_from(cfg):
 
 
 def load_into(model, state: Dict[str, torch.Tensor], source: str):
-    """Copy HF weights into our model; a tied head may be absent from the file."""
-    own = model.state_dict()
+    """Copy HF weights into our model; a tied head may be absent from the file. A model built
+    sharded (ZeRO-3's zero.Init) takes each tensor through a gather of that one parameter."""
+    from dr_scale.models.layers import whole
+
+    own = {k: tuple(getattr(t, "ds_shape", t.shape))  # a sharded parameter's whole shape
+           for k, t in model.state_dict(keep_vars=True).items()}
     if getattr(model.shape, "tie_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)
@@ -137,7 +141,16 @@ def load_into(model, state: Dict[str, torch.Tensor], source: str):
                            f"{', '.join(missing[:3]) or 'none'}; unexpected: "
                            f"{', '.join(unexpected[:3]) or 'none'})")
     for k, v in state.items():
-        if own[k].shape != v.shape:
+        if own[k] != tuple(v.shape):
             raise DrScaleError(f"{source}: {k} has shape {tuple(v.shape)}, the model expects "
-                               f"{tuple(own[k].shape)}")
-    model.load_state_dict(state, strict=False)
+                               f"{own[k]}")
+    params = dict(model.named_parameters())
+    if not any(hasattr(p, "ds_id") for p in params.values()):
+        model.load_state_dict(state, strict=False)
+        return
+    with torch.no_grad():
+        for k, v in state.items():
+            if k in params:
+                with whole(params[k]):
+                    params[k].data.copy_(v)
+        model.load_state_dict({k: v for k, v in state.items() if k not in params}, strict=False)

@@ -109,11 +109,13 @@ def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Mod
 
 
 def count_parameters(model: torch.nn.Module) -> int:
+    """Whole-model count, also of a model built sharded (ZeRO-3 keeps the full size in
+    ds_numel; the tensor itself is an empty placeholder)."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            total += p.numel()
+            total += getattr(p, "ds_numel", p.numel())
     return total
 
 

@@ -1,4 +1,5 @@
 """Building blocks shared by the decoders: norms, rotary tables, attention block, MLPs."""
+import contextlib
 import math
 
 import torch
@@ -123,13 +124,28 @@ RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
 
 def init_weights(model: nn.Module, std: float, num_layers: int):
     """Normal(0, std) for every matrix and embedding, std/sqrt(2L) for residual outputs, zero
-    biases, unit norm weights."""
+    biases, unit norm weights. Under ZeRO-3's sharded construction each tensor is gathered
+    whole for its draw, one at a time (`whole`): the same values as an unsharded build."""
     out_std = std / math.sqrt(2 * num_layers)
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             s = out_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else std
-            nn.init.normal_(module.weight, 0.0, s)
+            with whole(module.weight):
+                nn.init.normal_(module.weight, 0.0, s)
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                with whole(module.bias):
+                    nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)
+            with whole(module.weight):
+                nn.init.normal_(module.weight, 0.0, std)
+
+
+def whole(param: nn.Parameter):
+    """The parameter whole inside the block, and written back to every rank's shard after it,
+    where ZeRO-3's zero.Init has partitioned it (rank 0's values win; every rank draws the same
+    ones from the same seed, which keeps the random streams in step); as it is otherwise."""
+    if not hasattr(param, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([param], modifier_rank=0)

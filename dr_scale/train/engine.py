@@ -12,9 +12,11 @@ DEFAULT_BETAS = (0.9, 0.999)
 
 
 def param_groups(model, weight_decay: float):
-    """No weight decay on vectors (norm weights, biases)."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """No weight decay on vectors (norm weights, biases). A parameter built sharded (ZeRO-3's
+    zero.Init) is a 1-D placeholder: its own shape is in ds_shape."""
+    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
+    decay = [p for p in model.parameters() if ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if ndim(p) < 2]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

@@ -1,0 +1,38 @@
+"""Sharded construction under ZeRO-3: on 2 gloo ranks, each holds half of every parameter as
+it is built, and the gathered values equal an unsharded build's from the same seed (so the
+initialisation keeps its distribution exactly), fp32 and bf16, with and without biases."""
+import json
+import math
+import subprocess
+import sys
+
+from tests.conftest import ROOT, free_port
+
+
+def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
+    out = tmp_path / "result"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sharded_build.py"),
+                           str(free_port()), str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result.{rank}").read_text())
+        assert sorted(result) == ["gpt2_tiny/fp32", "tiny/bf16", "tiny/fp32"]
+        for case, r in result.items():
+            assert r["total"] == r["plain_total"] > 1_000_000, case
+            assert r["groups"][0] == r["groups"][1] and r["groups"][0][0] > 0, case
+            # each rank holds its half (ZeRO pads a tensor to a multiple of the ranks)
+            assert r["total"] / 2 <= r["held"] <= r["total"] / 2 + len(r["params"]), case
+            dtype = "torch.bfloat16" if case.endswith("bf16") else "torch.float32"
+            for name, p in r["params"].items():
+                assert p["placeholder"] == 0, (case, name)  # nothing whole left behind
+                assert p["dtype"] == dtype, (case, name)
+                assert p["equal"], (case, name)
+                assert p["mean"] == p["ref_mean"] and p["std"] == p["ref_std"], (case, name)
+        # the distribution itself: std 0.02 for matrices, 0.02/sqrt(2L) for residual outputs
+        tiny = result["tiny/fp32"]["params"]
+        assert math.isclose(tiny["model.layers.0.self_attn.q_proj.weight"]["std"], 0.02,
+                            rel_tol=0.02)
+        assert math.isclose(tiny["model.layers.0.mlp.down_proj.weight"]["std"],
+                            0.02 / math.sqrt(2 * 4), rel_tol=0.02)
+        assert tiny["model.norm.weight"]["mean"] == 1.0
