@@ -54,5 +54,15 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     tp = estimate("zero3", 8, *big, "parallel.tensor_parallel=8", device="cuda")
     # TP 8 x DP 1: the block matrices split 8 ways, embeddings and norms replicated
     assert z0["parameters"] / 8 < tp["parameters"] < z0["parameters"] / 4
-    # 70B fits the meta device and prints
-    estimate("zero3", 512, "model.preset=llama_70b", device="cuda")
+    # start-up: ZeRO-0/1/2 build the whole fp32 model on every rank first; ZeRO-3 builds sharded,
+    # one tensor whole at a time (the 32000 x 4096 embedding: fp32 and its bf16 cast)
+    assert z0["startup_peak"] == pytest.approx(4 * n + 2 * 32000 * 4096, rel=1e-6)
+    assert z3["startup_peak"] == pytest.approx(2 * n / 8 + 6 * 32000 * 4096, rel=1e-6)
+    assert z3["peak"] == z3["total"] > z3["startup_peak"]
+    assert tp["startup_peak"] >= 4 * n  # AutoTP splits a model built whole
+    # 70B fits the meta device and prints; ZeRO-1 would need its whole fp32 model (257 GiB) on
+    # every rank before anything is partitioned, ZeRO-3 on 512 ranks one embedding's worth
+    z1_70b = estimate("zero1", 512, "model.preset=llama_70b", device="cuda")
+    assert z1_70b["startup_peak"] > 256 * 2**30
+    z3_70b = estimate("zero3", 512, "model.preset=llama_70b", device="cuda")
+    assert z3_70b["startup_peak"] < 2 * 2**30 and z3_70b["peak"] == z3_70b["total"]

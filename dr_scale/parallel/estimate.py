@@ -16,6 +16,12 @@ What is counted, per rank, for AdamW under DeepSpeed:
 - runtime: what a rank costs before the model (the framework, communication buffers); on CPU
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
   allocator's reserve is not counted.
+
+`total` is the steady state of training. Building the model comes first: under ZeRO-3 without
+tensor or pipeline parallelism it is built sharded (parallel/sharded_build.py), and a rank holds
+at most one tensor whole, in fp32 and in the training precision, while it is cast and
+partitioned; elsewhere every rank builds the whole model in fp32 first. `startup_peak` is that
+moment (runtime included), `peak` the larger of the two: what the rank needs.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -39,10 +45,19 @@ class MemoryEstimate:
     buffers: int
     runtime: int
     host_offload: int  # optimizer states kept in host memory (ZeRO offload), not in `total`
-    total: int
+    total: int         # steady state of training
+    startup_peak: int  # while the model is built, before DeepSpeed partitions it
+    peak: int          # max(total, startup_peak)
 
     def as_dict(self):
         return asdict(self)
+
+
+def largest_tensor(shape) -> int:
+    """Elements of the model's largest parameter (the embedding or a projection)."""
+    from dr_scale.models import build_model
+
+    return max(p.numel() for p in build_model(shape, device="meta").parameters())
 
 
 def split_parameters(shape, tp: int, vocab_parallel: bool = False):
@@ -130,8 +145,13 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
         buffers += min(prefetch_bucket, n) * lp
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
+    if zero_stage == 3 and tp == 1 and pp == 1:  # built sharded: one tensor whole at a time
+        startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
+    else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
+        startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
-                                            buffers, runtime, host, total)))
+                                            buffers, runtime, host, total, startup,
+                                            max(total, startup))))
 
 
 def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> MemoryEstimate:

@@ -1,0 +1,116 @@
+#!/usr/bin/env python
+"""Memory that falls with ranks, start-up included: llama_1b (the full preset shape) under ZeRO-3
+trains 3 steps on N ranks of this machine for each N, side by side in one run; each rank's peak
+RSS from process start to the end of step 3 (the largest over the ranks) against
+`dr-scale estimate`'s per-rank figure for the same run.
+
+    python benchmarks/memory_scaling.py [--preset llama_1b] [--ranks 2 4] [--seq_length 256]
+
+Precision: the bundled zero3 config's bf16 "auto" (bf16 where the CPU computes it natively,
+fp32 otherwise); the line printed says which. Writes results.jsonl and results.md; the CPU model
+heads both.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_results import write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_args(preset, seq, ranks, vocab, layers=None):
+    return [f"model.preset={preset}", f"model.vocab_size={vocab}", f"data.seq_length={seq}",
+            *([f"model.num_layers={layers}"] if layers else []),
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={ranks}", "train.max_steps=3", "train.warmup_steps=1",
+            "train.eval_at_start=false", "train.eval_interval=1000", "train.save_interval=1000",
+            "train.log_interval=1", "logging.plot=false", "logging.tensorboard=false"]
+
+
+def measured(preset, seq, ranks, vocab, layers, work):
+    run = Path(tempfile.mkdtemp(prefix=f"{ranks}ranks-", dir=work)) / "run"
+    cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 900),
+           str(ROOT / "launchers" / "pretrain.py"), "--ds_config", "zero3", "--run_dir", str(run),
+           *run_args(preset, seq, ranks, vocab, layers)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{ranks} ranks: the run failed ({proc.returncode}):\n"
+                         + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step3 = next(r for r in records if r.get("step") == 3 and "loss" in r)
+    precision = re.search(r"ZeRO-3, (\w+)", proc.stdout).group(1)
+    params = re.search(r"\) ([\d.]+[MB]) parameters;", proc.stdout).group(1)
+    return {"ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
+            "wall_s": round(time.perf_counter() - t0, 1), "precision": precision,
+            "parameters": params, "losses": [r["loss"] for r in records if "loss" in r]}
+
+
+def estimated(preset, seq, ranks, vocab, layers) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config",
+                           "zero3", "--ranks", str(ranks), "--device", "cpu", "--json",
+                           *run_args(preset, seq, ranks, vocab, layers)], capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def main(argv=None):
+    from dr_scale.hardware import cpu_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="llama_1b")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--seq_length", type=int, default=256)
+    ap.add_argument("--vocab_size", type=int, default=4096,
+                    help="the bundled tokenizer's (the preset's 128,256 would not fit 2 ranks "
+                         "in 24 GiB: 1.24B parameters x 16 bytes of state)")
+    ap.add_argument("--num_layers", type=int, default=None,
+                    help="cut the preset's depth (llama_1b's 16 layers need ~22 GiB for 2 ranks: "
+                         "16 bytes of state a parameter, 0.98B parameters, plus each rank's "
+                         "runtime and buckets; 2 ranks were OOM-killed at step 2 on a 23 GiB "
+                         "machine)")
+    ap.add_argument("--out", default="bench_out/memory_scaling")
+    a = ap.parse_args(argv)
+    where = f"{cpu_model()}, {os.cpu_count()} core(s)"
+    depth = f", {a.num_layers} layers" if a.num_layers else ""
+    print(f"memory scaling: {a.preset}{depth} under ZeRO-3 on {a.ranks} rank(s), on {where}",
+          flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memory-bench-") as work:
+        for ranks in a.ranks:
+            row = measured(a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers, work)
+            est = estimated(a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers)
+            per_rank = est["bytes_per_rank"]
+            row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
+            row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
+            row["measured_over_estimate"] = row["peak_rss_gib"] / row["estimate_gib"]
+            print(f"  {ranks} rank(s), {row['parameters']} parameters, {row['precision']}: peak "
+                  f"RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up included), estimate "
+                  f"{row['estimate_gib']:.2f} GiB ({row['measured_over_estimate']:.2f}x); wall "
+                  f"{row['wall_s']:.0f} s", flush=True)
+            rows.append(row)
+    for r in rows[1:]:
+        print(f"{r['ranks']} ranks / {rows[0]['ranks']} ranks: peak RSS per rank "
+              f"{r['peak_rss_gib'] / rows[0]['peak_rss_gib']:.2f}x")
+    for r in rows:
+        for k in ("peak_rss_gib", "estimate_gib", "startup_estimate_gib",
+                  "measured_over_estimate"):
+            r[k] = round(r[k], 3)
+    write_results(a.out, rows, f"# Peak RSS per rank, {a.preset}{depth} ZeRO-3 ({where})",
+                  [("ranks", "ranks"), ("precision", "precision"),
+                   ("peak RSS per rank (GiB)", "peak_rss_gib"), ("estimate (GiB)", "estimate_gib"),
+                   ("measured / estimate", "measured_over_estimate"), ("wall (s)", "wall_s")],
+                  dict(cpu=where))
+
+
+if __name__ == "__main__":
+    main()
