@@ -22,6 +22,7 @@ from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempt
 from dr_scale.export.hf import load_into
 from dr_scale.hardware import bf16_support
 from dr_scale.models import resolve_shape
+from dr_scale.parallel import memory_guard
 from dr_scale.parallel import parallelize as par
 from dr_scale.parallel.sharded_build import build_for_run
 from dr_scale.parallel.topology import Topology
@@ -50,6 +51,11 @@ def check_config(args):
     dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path))
     build_callbacks(cfg.callbacks, topo.pipeline)
     dataset_types(cfg.data)
+    if not args.skip_memory_check:  # before any rank allocates the model
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path),
+                      bf16_native=bf16_support(device_type).native, device_type=device_type)
+        memory_guard.check(cfg, ds, topo.world, device_type, str(ds_path))
     if args.resume:
         reshard_before_group(run_dir.resolve(), topo, raw_ds, cfg.train.collective_timeout_s)
     return cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old

@@ -31,7 +31,8 @@ from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
 USAGE = ("deepspeed launchers/pretrain.py --ds_config NAME_OR_PATH [--config YAML] "
-         "[--run_dir DIR] [--resume [auto]] [--stop_at_step N] [dotted.key=value ...]")
+         "[--run_dir DIR] [--resume [auto]] [--stop_at_step N] [--skip_memory_check] "
+         "[dotted.key=value ...]")
 # What marks a folder as a run folder (--resume auto starts fresh only in one of these or none)
 RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json")
 
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--resume_mode", dest="resume", help=argparse.SUPPRESS)  # `--resume auto`
     p.add_argument("--stop_at_step", type=int, default=None, metavar="N",
                    help="save and exit after step N (the schedule still runs to train.max_steps)")
+    p.add_argument("--skip_memory_check", action="store_true",
+                   help="start even when the memory estimate exceeds what a rank has")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
     return p.parse_args(_resume_forms(sys.argv[1:] if argv is None else list(argv)))

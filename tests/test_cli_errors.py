@@ -36,6 +36,27 @@ def test_pretrain_bad_input(args, pattern, cache_dir, tmp_path):
     assert pattern in errors_of(proc)
 
 
+def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
+    """The estimate against what a rank has, before any allocation: llama_70b under ZeRO-1 needs
+    1.3 TiB a rank and nothing fits one rank here; llama_7b is told the cheapest change (enough
+    ranks under ZeRO-3; how many depends on this machine's free memory). Nothing is written."""
+    import re
+
+    proc = launch(["--run_dir", tmp_path / "a", "--ds_config", "zero1", "model.preset=llama_70b"],
+                  1, cache_dir, launcher="python", check=False, timeout=120)
+    line = errors_of(proc)
+    assert re.search(r"zero1.json: estimated peak 1\.3 TiB a rank \(`dr-scale estimate`\) "
+                     r"exceeds [\d.]+ GiB a rank \([\d.]+ GiB of host memory available, shared by "
+                     r"1 rank\(s\) on this node\); none of ZeRO-3, checkpointing, offload or 64x "
+                     r"the ranks fits; --skip_memory_check starts anyway", line), line
+    proc = launch(["--run_dir", tmp_path / "b", "--ds_config", "zero1", "model.preset=llama_7b",
+                   "data.seq_length=1024", "train.micro_batch_size=1"], 1, cache_dir,
+                  launcher="python", check=False, timeout=120)
+    assert re.search(r"cheapest change that fits: \d+ ranks with ZeRO-3 \([\d.]+ GiB a rank\)",
+                     errors_of(proc))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_existing_run_is_not_overwritten(cache_dir, tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -11,7 +11,8 @@ What is counted, per rank, for AdamW under DeepSpeed:
   statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
   checkpointing policy, plus the logits and their fp32 loss copies;
 - buffers: DeepSpeed's communication buckets: the contiguous gradient bucket ZeRO-2/3 allocate
-  at `reduce_bucket_size` elements, ZeRO-3's gathered parameters (up to its prefetch bucket),
+  at `reduce_bucket_size` elements, ZeRO-3's gathered parameters (up to
+  `stage3_max_live_parameters`, default 1e9: the whole 16-bit model below that size),
   ZeRO-0/1's flattened all-reduce bucket;
 - runtime: what a rank costs before the model (the framework, communication buffers); on CPU
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
@@ -101,7 +102,8 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
              seq_length: int,
              checkpointing: str = "none", checkpoint_every: int = 1,
              device_type: str = "cpu", reduce_bucket: float = 5e8,
-             prefetch_bucket: float = 5e7, contiguous_gradients: bool = True) -> MemoryEstimate:
+             prefetch_bucket: float = 5e7, contiguous_gradients: bool = True,
+             max_live_parameters: float = 1e9) -> MemoryEstimate:
     if world % (tp * pp):
         raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
     dp = world // (tp * pp)
@@ -142,7 +144,10 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
     else:
         buffers = min(reduce_bucket, n) * lp
     if zero_stage == 3:
-        buffers += min(prefetch_bucket, n) * lp
+        # gathered parameters stay live until stage3_max_live_parameters of them are (measured
+        # here: llama_1b cut to 8 layers peaked 0.87 GiB a rank above the other terms, at 2 and
+        # at 4 ranks alike: its whole 16-bit model), beyond what the prefetch bucket brings
+        buffers += max(min(max_live_parameters, n), min(prefetch_bucket, n)) * lp
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
     if zero_stage == 3 and tp == 1 and pp == 1:  # built sharded: one tensor whole at a time
@@ -154,13 +159,15 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
                                             max(total, startup))))
 
 
-def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> MemoryEstimate:
-    """From a loaded RunConfig and DeepSpeed config dict."""
+def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
+                     vocab: int = None, **changes) -> MemoryEstimate:
+    """From a loaded RunConfig and DeepSpeed config dict; `vocab` the run's vocabulary when the
+    caller knows it (else the preset's, or the named tokenizer's); `changes` override estimate()'s
+    arguments (what-if: zero_stage=3, checkpointing="full", world=16, offload_optimizer=True)."""
     from dr_scale import ds_config as dsc
     from dr_scale.models import resolve_shape
 
-    vocab = None  # the preset's (or model.vocab_size), unless a tokenizer file is named
-    if cfg.model.vocab_size is None and cfg.data.tokenizer:
+    if vocab is None and cfg.model.vocab_size is None and cfg.data.tokenizer:
         from dr_scale.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
@@ -172,11 +179,12 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu") -> Mem
     # stage3_*; contiguous_gradients defaults on)
     buckets = dict(reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
                    prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+                   max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
-    return estimate(shape, precision=dsc.precision(ds), zero_stage=stage, **buckets,
-                    offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
-                    pp=cfg.parallel.pipeline_parallel,
-                    vocab_parallel=cfg.parallel.vocab_parallel, micro_batch=cfg.train.micro_batch_size,
-                    seq_length=cfg.data.seq_length,
-                    checkpointing=cfg.parallel.activation_checkpointing,
-                    checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type)
+    args = dict(precision=dsc.precision(ds), zero_stage=stage, **buckets,
+                offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
+                pp=cfg.parallel.pipeline_parallel, vocab_parallel=cfg.parallel.vocab_parallel,
+                micro_batch=cfg.train.micro_batch_size, seq_length=cfg.data.seq_length,
+                checkpointing=cfg.parallel.activation_checkpointing,
+                checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type)
+    return estimate(shape, **{**args, **changes})

@@ -1,0 +1,71 @@
+"""Refuse before building: when the estimate for the configured run exceeds what a rank has
+(the GPU's memory, or on CPU the node's available memory shared by its ranks), the launcher stops
+in one line with the estimate, the limit and the cheapest change that fits, before any rank
+allocates the model. `--skip_memory_check` for those who know better.
+
+Cheapest first: ZeRO-3 (same machines, more communication), activation checkpointing (about a
+third more compute), optimizer offload to host memory (slower steps), then more ranks (more
+machines).
+"""
+import os
+from typing import Optional
+
+from dr_scale import ds_config as dsc
+from dr_scale.errors import DrScaleError
+from dr_scale.models.build import pad_vocab
+from dr_scale.parallel.estimate import estimate_for_run
+from dr_scale.train.metrics import format_bytes
+
+
+def run_vocab(cfg) -> Optional[int]:
+    """The vocabulary the run will have, as far as it is known before the data is read."""
+    if cfg.model.vocab_size is not None or cfg.data.tokenizer:
+        return None  # estimate_for_run reads these itself
+    if not cfg.data.datasets:  # the bundled corpus, with the tokenizer trained on it
+        return pad_vocab(cfg.data.tokenizer_vocab_size, cfg.model.pad_vocab_multiple)
+    return None
+
+
+def rank_limit(device_type: str, world: int) -> tuple:
+    """(bytes one rank may use, what that is) on this node."""
+    if device_type == "cuda":
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        props = torch.cuda.get_device_properties(local)
+        return props.total_memory, f"{format_bytes(props.total_memory)} on the {props.name}"
+    import psutil
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    available = psutil.virtual_memory().available
+    return available // ranks_here, (f"{format_bytes(available)} of host memory available, "
+                                     f"shared by {ranks_here} rank(s) on this node")
+
+
+def check(cfg, ds: dict, world: int, device_type: str, source: str):
+    vocab = run_vocab(cfg)
+    need = estimate_for_run(cfg, ds, world, device_type, vocab).peak
+    limit, what = rank_limit(device_type, world)
+    if need <= limit:
+        return
+    stage = dsc.zero_stage(ds)
+    fixes = []
+    if stage < 3:
+        fixes.append(("ZeRO-3 (--ds_config zero3)", dict(zero_stage=3)))
+    if cfg.parallel.activation_checkpointing != "full":
+        fixes.append(("parallel.activation_checkpointing=full", dict(checkpointing="full")))
+    fixes.append(("optimizer offload to host memory (--ds_config zero3_offload)",
+                  dict(zero_stage=3, offload_optimizer=True)))
+    for factor in (2, 4, 8, 16, 32, 64):
+        fixes.append((f"{world * factor} ranks with ZeRO-3", dict(zero_stage=3,
+                                                                 world=world * factor)))
+    cheapest = "none of ZeRO-3, checkpointing, offload or 64x the ranks fits"
+    for name, change in fixes:
+        ranks = change.pop("world", world)
+        fits = estimate_for_run(cfg, ds, ranks, device_type, vocab, **change)
+        if fits.peak <= limit:
+            cheapest = f"cheapest change that fits: {name} ({format_bytes(fits.peak)} a rank)"
+            break
+    raise DrScaleError(
+        f"{source}: estimated peak {format_bytes(need)} a rank (`dr-scale estimate`) exceeds "
+        f"{format_bytes(limit)} a rank ({what}); {cheapest}; --skip_memory_check starts anyway")
