@@ -35,6 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_rank_script(name: str, *args, timeout=300):
+    """tests/scripts/<name> with a free port and `args`: scripts that spawn their own ranks
+    (torch.multiprocessing) on a real gloo group; fails the test on a non-zero exit."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / name),
+                           str(free_port()), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def run_group(cmd, env, timeout):
     """Run cmd in its own process group; on timeout kill the whole group (launcher and ranks)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

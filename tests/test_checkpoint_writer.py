@@ -1,18 +1,13 @@
 """Checkpoint publication over a real 2-rank gloo group: every rank fsyncs its own files, the
 checkpoint is renamed and named in `latest` only when all ranks confirm, old ones go after."""
 import json
-import subprocess
-import sys
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import run_rank_script
 
 
 def test_latest_moves_only_when_every_rank_confirms(tmp_path):
     ckpt, out = tmp_path / "checkpoints", tmp_path / "result"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "checkpoint_commit.py"),
-                           str(free_port()), str(ckpt), str(out)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_rank_script("checkpoint_commit.py", ckpt, out, timeout=120)
     for rank in (0, 1):
         r = json.loads((tmp_path / f"result.{rank}").read_text())
         assert [r[str(s)] for s in (1, 2, 3)] == ["published"] * 3

@@ -2,10 +2,8 @@
 serves, and nothing in dr_scale calls torch.distributed's collectives around it."""
 import ast
 import json
-import subprocess
-import sys
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, run_rank_script
 
 COLLECTIVES = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "reduce",
                "gather", "scatter", "all_to_all", "all_gather_object", "broadcast_object_list",
@@ -41,10 +39,7 @@ def test_placement_under_a_group_that_serves_only_cuda(tmp_path):
     sends such tensors to CUDA there, and on a host group reduces, gathers and scatters in place
     with the right values."""
     out = tmp_path / "result"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "comm_groups.py"),
-                           str(free_port()), str(out)], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_rank_script("comm_groups.py", out, timeout=120)
     for rank in (0, 1):
         r = json.loads((tmp_path / f"result.{rank}").read_text())
         assert r["raw"] == "No backend type associated with device type cpu"

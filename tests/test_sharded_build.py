@@ -3,18 +3,13 @@ it is built, and the gathered values equal an unsharded build's from the same se
 initialisation keeps its distribution exactly), fp32 and bf16, with and without biases."""
 import json
 import math
-import subprocess
-import sys
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import run_rank_script
 
 
 def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
     out = tmp_path / "result"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "sharded_build.py"),
-                           str(free_port()), str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_rank_script("sharded_build.py", out)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result.{rank}").read_text())
         assert sorted(result) == ["gpt2_tiny/fp32", "tiny/bf16", "tiny/fp32"]
