@@ -77,6 +77,7 @@ def cmd_reshard(a):
     import resource
     from pathlib import Path
 
+    from dr_scale import ds_config as dsc
     from dr_scale.train.checkpoint import find_tag, saved_parallel_layout
     from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
 
@@ -87,8 +88,7 @@ def cmd_reshard(a):
     if stage is None:  # the run's own DeepSpeed config
         snapshot = run_dir / "ds_config.json"
         try:
-            stage = int(json.loads(snapshot.read_text()).get("zero_optimization", {})
-                        .get("stage", 0))
+            stage = dsc.zero_stage(json.loads(snapshot.read_text()))
         except (OSError, ValueError) as e:
             raise DrScaleError(f"{snapshot}: unreadable ({type(e).__name__}); give --zero_stage")
     tensor, pipeline = saved_parallel_layout(ckpt_dir / tag)

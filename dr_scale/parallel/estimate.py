@@ -24,6 +24,7 @@ at most one tensor whole, in fp32 and in the training precision, while it is cas
 partitioned; elsewhere every rank builds the whole model in fp32 first. `startup_peak` is that
 moment (runtime included), `peak` the larger of the two: what the rank needs.
 """
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -54,11 +55,18 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def largest_tensor(shape) -> int:
-    """Elements of the model's largest parameter (the embedding or a projection)."""
+@functools.lru_cache(maxsize=8)
+def _meta_model(shape):
+    """The model on the meta device (nothing allocated), once per shape: the what-if estimates
+    of the launcher's memory check ask for the same shape many times."""
     from dr_scale.models import build_model
 
-    return max(p.numel() for p in build_model(shape, device="meta").parameters())
+    return build_model(shape, device="meta")
+
+
+def largest_tensor(shape) -> int:
+    """Elements of the model's largest parameter (the embedding or a projection)."""
+    return max(p.numel() for p in _meta_model(shape).parameters())
 
 
 def split_parameters(shape, tp: int, vocab_parallel: bool = False):
@@ -66,9 +74,7 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
     vocab_parallel the LM head (and the embedding tied to it) count as sharded."""
     import re
 
-    from dr_scale.models import build_model
-
-    model = build_model(shape, device="meta")
+    model = _meta_model(shape)
     patterns = [re.compile(p) for plan in spec_of(shape.arch).tp_plan for p in plan["patterns"]]
     sharded = replicated = 0
     seen = set()

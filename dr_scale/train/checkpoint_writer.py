@@ -7,7 +7,7 @@ rank 0 renames the folder to checkpoints/<tag>/ and only then names it in checkp
 crash at any moment before that leaves the previous checkpoint the latest one.
 
 Which files a rank wrote is known exactly: DeepSpeed writes each through its checkpoint engine
-(`engine.checkpoint_engine.save`), and `FileLedger` wraps that engine. On a parallel file system
+(`engine.checkpoint_engine.save`), and `FileLedger` stands in for that engine. On a parallel file system
 a rank's fsync flushes its own writes only, so each rank fsyncs what it wrote, all at once.
 
 Asynchronous saves (`train.async_save`). Measured on this project's CPUs, the cost of a save is
@@ -20,10 +20,12 @@ snapshot to host memory: llama_1b on one rank here peaks at 21.6 GiB of a 23 GiB
 snapshot would add its 11 GiB of state (torch DCP's async_save stages such a copy, and writes
 its own format, which neither DeepSpeed's loader nor ds_to_universal reads). DeepSpeed's
 decoupled engine shares the tensors with a writer process and waits at the same point, but it
-writes through the async-I/O op (libaio), which this project cannot require. The confirmation (every rank wrote and fsynced) runs in the thread over a gloo group
-of its own, so it never interleaves with the training loop's collectives; torch's DCP async_save
-uses a separate group for the same reason.
+writes through the async-I/O op (libaio), which this project cannot require. The confirmation
+(every rank wrote and fsynced) runs in the thread over a gloo group of its own, so it never
+interleaves with the training loop's collectives; torch's DCP async_save uses a separate group
+for the same reason.
 """
+import datetime
 import os
 import shutil
 import threading
@@ -63,13 +65,13 @@ class FileLedger:
 
 class CheckpointWriter:
     def __init__(self, engine, ckpt_dir: Path, keep_last: int = 0, asynchronous: bool = False,
-                 timeout_s: int = 600, log=print):
+                 timeout_s: int = 600):
         self.engine, self.ckpt_dir = engine, Path(ckpt_dir)
-        self.keep_last, self.asynchronous, self.log = keep_last, asynchronous, log
+        self.keep_last, self.asynchronous = keep_last, asynchronous
         self.ledger = FileLedger(engine.checkpoint_engine)
         engine.checkpoint_engine = self.ledger
         # the thread's own group: its collectives never interleave with the loop's
-        self.group = (dist.new_group(backend="gloo", timeout=_timedelta(timeout_s))
+        self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
                       if asynchronous else None)
         self._thread: Optional[threading.Thread] = None
         self._writes_done = threading.Event()
@@ -238,9 +240,3 @@ def _written(write, path) -> Optional[str]:
             free = "free space unknown"
         detail = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1][:120]
         return f"{path}: could not be written ({detail}; {free})"
-
-
-def _timedelta(seconds: int):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
