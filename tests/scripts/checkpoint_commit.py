@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 def rank_main(rank, port, ckpt_dir, out):
     from dr_scale.errors import DrScaleError
+    from dr_scale.launch import leave
     from dr_scale.train.checkpoint import STAGING, tag_for
     from dr_scale.train.checkpoint_writer import CheckpointWriter
 
@@ -40,6 +41,7 @@ def rank_main(rank, port, ckpt_dir, out):
                                               if p.name.startswith("step_"))
     Path(f"{out}.{rank}").write_text(json.dumps(result))
     dist.destroy_process_group()
+    leave(0)  # see dr_scale.launch.leave
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 def rank_main(rank, port, out):
     from dr_scale import comm
+    from dr_scale.launch import leave
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("cuda:gloo", rank=rank, world_size=2)  # serves cuda tensors only
@@ -41,6 +42,7 @@ def rank_main(rank, port, out):
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
+    leave(0)  # see dr_scale.launch.leave
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, clip_per_layer_
 from dr_scale.config import load_config
 from dr_scale.distributed import init_distributed
+from dr_scale.launch import leave
 from dr_scale.train.engine import param_groups
 from dr_scale.models import build_model, resolve_shape
 
@@ -64,3 +65,4 @@ if rank == 0:
     torch.save(results, out_path)
 dist.barrier()
 dist.destroy_process_group()
+leave(0)  # see dr_scale.launch.leave

@@ -14,6 +14,7 @@ def rank_main(rank, port, out):
     import deepspeed
 
     from dr_scale.config.schema import ModelConfig
+    from dr_scale.launch import leave
     from dr_scale.models import build_model, resolve_shape
     from dr_scale.models.build import count_parameters
     from dr_scale.parallel.sharded_build import build_for_run
@@ -49,6 +50,8 @@ def rank_main(rank, port, out):
                                            "plain_total": count_parameters(plain)}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
+    torch.distributed.destroy_process_group()
+    leave(0)  # see dr_scale.launch.leave
 
 
 if __name__ == "__main__":
