@@ -26,10 +26,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x.float() + bias.float(), approximate="tanh").to(x.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None):
-    """cos and sin of shape (seq, head_dim), in the half-split layout Llama checkpoints use."""
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None,
+                  scale_frequencies=None):
+    """cos and sin of shape (seq, head_dim), in the half-split layout Llama checkpoints use;
+    `scale_frequencies` maps the inverse frequencies (long-context scaling), if given."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                                 / head_dim))
+    if scale_frequencies is not None:
+        inv_freq = scale_frequencies(inv_freq)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)

@@ -58,25 +58,38 @@ def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path):
         load_tokenizer(trained_run / "tokenizer.model").encode(text)
 
 
-def test_import_of_a_transformers_llama_matches_its_logits(tmp_path):
+def test_import_of_a_sharded_transformers_llama3_matches_its_logits(tmp_path):
+    """A Llama-3 style folder (llama3 rotary scaling, shards + index) imported tensor by tensor
+    gives transformers' logits; written back by our exporter, transformers reads the same."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dr_scale.export.hf import read_folder
+    from dr_scale.export.hf import load_into, read_folder
     from dr_scale.models import build_model
     from dr_scale.models.build import ModelShape
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                      rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False)
+                      rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0,
+                                       "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64})
     hf = LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(str(tmp_path / "hf"))
-    fields, state = read_folder(tmp_path / "hf")
-    ours = build_model(ModelShape(**fields))
-    ours.load_state_dict(state)
-    ids = torch.randint(0, 512, (2, 40))
+    hf.save_pretrained(str(tmp_path / "hf"), max_shard_size="300KB")
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 1
+    fields, weights = read_folder(tmp_path / "hf")
+    assert fields["rope_scaling"]["factor"] == 8.0
+    ours = build_model(ModelShape(**fields)).eval()
+    load_into(ours, weights, "hf")
+    ids = torch.randint(0, 512, (2, 200))  # past the original 64 positions: scaling matters
     with torch.no_grad():
-        assert (ours.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-4
+        assert (ours(ids) - hf(ids).logits).abs().max().item() < 1e-4
+    no_scaling = build_model(ModelShape(**{**fields, "rope_scaling": None})).eval()
+    no_scaling.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (no_scaling(ids) - hf(ids).logits).abs().max().item() > 1e-2  # it is tested
+
 
 
 def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_dir, tmp_path):

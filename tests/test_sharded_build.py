@@ -1,6 +1,7 @@
 """Sharded construction under ZeRO-3: on 2 gloo ranks, each holds half of every parameter as
 it is built, and the gathered values equal an unsharded build's from the same seed (so the
-initialisation keeps its distribution exactly), fp32 and bf16, with and without biases."""
+initialisation keeps its distribution exactly), fp32 and bf16, with and without biases; and a
+Hugging Face folder loaded into it (model.init_from) gives each rank the file's values."""
 import json
 import math
 
@@ -23,6 +24,7 @@ def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
                 assert p["placeholder"] == 0, (case, name)  # nothing whole left behind
                 assert p["dtype"] == dtype, (case, name)
                 assert p["equal"], (case, name)
+                assert r["loaded"][name], (case, name)
                 assert p["mean"] == p["ref_mean"] and p["std"] == p["ref_std"], (case, name)
         # the distribution itself: std 0.02 for matrices, 0.02/sqrt(2L) for residual outputs
         tiny = result["tiny/fp32"]["params"]

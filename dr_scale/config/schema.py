@@ -21,12 +21,19 @@ class ModelConfig(Section):
     tie_embeddings: Optional[bool] = None
     norm_eps: Optional[float] = field(None, min=0.0)
     rope_theta: Optional[float] = field(None, min=1.0)
+    rope_scaling: Optional[Dict[str, Any]] = field(
+        None, help="rotary frequency scaling, as Hugging Face writes it: {rope_type: llama3, "
+        "factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}")
     attention: str = field("sdpa", help="an attention kernel (sdpa, eager, triton_flash, ...), or "
                            "auto (best available)")
     kernels: Dict[str, str] = field(factory=dict, help="op -> implementation (default auto): "
                                     "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")
     dropout: float = field(0.0, min=0.0, max=1.0)
     init_std: float = field(0.02, min=0.0)
+    loss_chunk_tokens: Optional[int] = field(
+        None, min=0, help="the LM head and cross-entropy fused, this many tokens at a time "
+        "(the logits are never whole); null: the most whose fp32 logits fit 256 MiB; 0: "
+        "unfused (whole logits, then model.kernels' cross_entropy)")
     pad_vocab_multiple: int = field(64, min=1)
     init_from: Optional[str] = field(None, help="Hugging Face folder to start from (a family "
                                      "whose ModelSpec has an HF format)")

@@ -11,6 +11,7 @@ import torch
 
 from dr_scale.data.tokenizer import tokenizer_file_in
 from dr_scale.errors import DrScaleError
+from dr_scale.export.safetensors_folder import HFWeights
 from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -82,9 +83,8 @@ def write_tokenizer(out: Path, tokenizer):
 
 
 def read_folder(folder) -> tuple:
-    """(model fields, state dict) from a Hugging Face folder (safetensors)."""
-    from safetensors.torch import load_file
-
+    """(model fields, HFWeights) from a Hugging Face folder: the config read, the weights only
+    located (their headers read); load_into copies them a tensor at a time."""
     folder = Path(folder)
     cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
@@ -94,24 +94,15 @@ def read_folder(folder) -> tuple:
     except json.JSONDecodeError as e:
         raise DrScaleError(f"{cfg_path}: JSON syntax error at line {e.lineno}: {e.msg}") from None
     fields = shape_from_hf(config, str(cfg_path))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise DrScaleError(f"{folder}: no .safetensors weights (only safetensors are read, since "
-                           "pickled .bin files can execute code)")
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except Exception as e:  # noqa: BLE001 - a corrupt file of any kind
-            raise DrScaleError(f"{f}: unreadable safetensors file ({type(e).__name__})") from None
-    return fields, state
+    return fields, HFWeights(folder)
 
 
 def apply_init_from(cfg):
     """For `model.init_from`: take the shape from the folder's config.json (a field set in the
-    YAML must agree) and its tokenizer when data.tokenizer is unset. Returns the weights."""
+    YAML must agree) and its tokenizer when data.tokenizer is unset. Returns the weights
+    (HFWeights: located, not read)."""
     folder = Path(cfg.model.init_from).expanduser()
-    fields, state = read_folder(folder)
+    fields, weights = read_folder(folder)
     for key, value in fields.items():
         mine = getattr(cfg.model, key)
         if mine is None:
@@ -121,36 +112,45 @@ def apply_init_from(cfg):
                                f"({value}); remove it from the config or pick another folder")
     if cfg.data.tokenizer is None and tokenizer_file_in(folder) is not None:
         cfg.data.tokenizer = str(tokenizer_file_in(folder))
-    return state
+    return weights
 
 
-def load_into(model, state: Dict[str, torch.Tensor], source: str):
-    """Copy HF weights into our model; a tied head may be absent from the file. A model built
-    sharded (ZeRO-3's zero.Init) takes each tensor through a gather of that one parameter."""
-    from dr_scale.models.layers import whole
-
+def load_into(model, weights: HFWeights, source: str):
+    """Copy a folder's weights into our model a tensor at a time; a tied head may be absent from
+    the files. A model built sharded (ZeRO-3's zero.Init) has each rank read only the elements
+    of its own partition, straight from the file: nothing is gathered or broadcast."""
     own = {k: tuple(getattr(t, "ds_shape", t.shape))  # a sharded parameter's whole shape
            for k, t in model.state_dict(keep_vars=True).items()}
+    theirs = dict(weights.shapes)
     if getattr(model.shape, "tie_embeddings", False):
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        theirs.pop("lm_head.weight", None)
         own.pop("lm_head.weight", None)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
+    missing = sorted(set(own) - set(theirs))
+    unexpected = sorted(set(theirs) - set(own))
     if missing or unexpected:
         raise DrScaleError(f"{source}: weights do not fit the model (missing: "
                            f"{', '.join(missing[:3]) or 'none'}; unexpected: "
                            f"{', '.join(unexpected[:3]) or 'none'})")
-    for k, v in state.items():
-        if own[k] != tuple(v.shape):
-            raise DrScaleError(f"{source}: {k} has shape {tuple(v.shape)}, the model expects "
-                               f"{own[k]}")
-    params = dict(model.named_parameters())
-    if not any(hasattr(p, "ds_id") for p in params.values()):
-        model.load_state_dict(state, strict=False)
-        return
+    for k, shape in theirs.items():
+        if own[k] != shape:
+            raise DrScaleError(f"{source}: {k} has shape {shape}, the model expects {own[k]}")
+    tensors = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
-        for k, v in state.items():
-            if k in params:
-                with whole(params[k]):
-                    params[k].data.copy_(v)
-        model.load_state_dict({k: v for k, v in state.items() if k not in params}, strict=False)
+        for k in theirs:
+            t = tensors[k]
+            if hasattr(t, "ds_id"):
+                _load_partition(t, weights, k)
+            else:
+                t.data.copy_(weights.read(k))
+
+
+def _load_partition(param, weights: HFWeights, name: str):
+    """ZeRO-3 keeps elements [rank x n, (rank + 1) x n) of the flattened parameter on a rank
+    (n its partition size, the last one padded)."""
+    import torch.distributed as dist
+
+    n = param.ds_tensor.numel()
+    start = dist.get_rank(group=param.ds_process_group) * n
+    end = min(start + n, param.ds_numel)
+    if start < end:
+        param.ds_tensor.data[:end - start].copy_(weights.read(name, start, end))

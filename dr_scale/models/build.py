@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from dr_scale.errors import DrScaleError
+from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import ModelSpec
 from dr_scale.kernels.registry import implementation
 from dr_scale.registry import MODEL_REGISTRY
@@ -27,10 +28,25 @@ class ModelShape:
     attention: str = "sdpa"
     dropout: float = 0.0
     init_std: float = 0.02
+    loss_chunk_tokens: Optional[int] = None  # the fused LM head + loss (models/lm_head.py)
+    rope_scaling: Optional[RopeScaling] = None  # a mapping is parsed (configs, run.json)
+
+    def __post_init__(self):
+        object.__setattr__(self, "rope_scaling",
+                           RopeScaling.parse(self.rope_scaling, "model.rope_scaling"))
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the fused LM head + cross-entropy; 0: logits kept whole."""
+        if self.loss_chunk_tokens is None:
+            from dr_scale.models.lm_head import chunk_tokens
+
+            return chunk_tokens(self.vocab_size)
+        return self.loss_chunk_tokens
 
     def weights_signature(self) -> dict:
         """The fields that decide the shape of the weights (a checkpoint must match them)."""

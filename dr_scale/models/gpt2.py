@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss, init_weights
+from dr_scale.models.lm_head import LMHead
 from dr_scale.models.spec import ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -30,7 +31,7 @@ class GPT2LMHeadModel(nn.Module):
         self.drop = nn.Dropout(shape.dropout)
         self.h = nn.ModuleList(GPT2Block(shape) for _ in range(shape.num_layers))
         self.ln_f = LayerNorm(shape.hidden_size, eps=shape.norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
         if shape.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         if self.wte.weight.device.type != "meta":
@@ -45,7 +46,10 @@ class GPT2LMHeadModel(nn.Module):
         x = self.drop(self.wte(input_ids) + self.wpe(positions))
         for block in self.h:
             x = block(x, doc_ids)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.fuses_loss():
+            return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
+        logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
         if labels is None:
             return logits
         return self.loss_function(logits, shift_labels=labels)

@@ -29,9 +29,10 @@ class LayerNorm(nn.LayerNorm):
 class Rotary(nn.Module):
     """cos/sin tables, kept as non-persistent buffers (recomputed, never checkpointed)."""
 
-    def __init__(self, head_dim: int, max_seq: int, theta: float):
+    def __init__(self, head_dim: int, max_seq: int, theta: float, scaling=None):
+        """`scaling`: a models.rope_scaling.RopeScaling, or None."""
         super().__init__()
-        cos, sin = reference.rotary_tables(max_seq, head_dim, theta)
+        cos, sin = reference.rotary_tables(max_seq, head_dim, theta, scale_frequencies=scaling)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

@@ -10,6 +10,8 @@ from torch import nn
 from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import (RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss,
                                     init_weights)
+from dr_scale.models.lm_head import LMHead
+from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import HFFormat, ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -33,7 +35,8 @@ class LlamaBody(nn.Module):
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(LlamaBlock(shape, qkv_bias) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
-        self.rotary = Rotary(shape.head_dim, shape.max_seq_length, shape.rope_theta)
+        self.rotary = Rotary(shape.head_dim, shape.max_seq_length, shape.rope_theta,
+                             shape.rope_scaling)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -43,7 +46,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.shape = shape
         self.model = LlamaBody(shape, self.qkv_bias)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
         if shape.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if self.lm_head.weight.device.type != "meta":
@@ -59,7 +62,10 @@ class LlamaForCausalLM(nn.Module):
         rotary = self.model.rotary(input_ids.shape[1], position_ids)
         for layer in self.model.layers:
             x = layer(x, rotary, doc_ids)
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.fuses_loss():
+            return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
+        logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
         if labels is None:
             return logits
         return self.loss_function(logits, shift_labels=labels)
@@ -76,6 +82,8 @@ TP_PLAN = (
 
 
 def hf_config(shape, eod_id: int, architecture="LlamaForCausalLM", model_type="llama") -> dict:
+    rope = {"rope_type": "default"} if shape.rope_scaling is None else shape.rope_scaling.to_hf()
+    scaling = {} if shape.rope_scaling is None else {"rope_scaling": shape.rope_scaling.to_hf()}
     return {
         "architectures": [architecture], "model_type": model_type,
         "vocab_size": shape.vocab_size, "hidden_size": shape.hidden_size,
@@ -84,7 +92,8 @@ def hf_config(shape, eod_id: int, architecture="LlamaForCausalLM", model_type="l
         "head_dim": shape.head_dim, "hidden_act": "silu",
         "max_position_embeddings": shape.max_seq_length, "rms_norm_eps": shape.norm_eps,
         "rope_theta": shape.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        # transformers 5 reads rope_parameters; earlier releases rope_theta and rope_scaling
+        "rope_parameters": {**rope, "rope_theta": shape.rope_theta}, **scaling,
         "tie_word_embeddings": shape.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "initializer_range": shape.init_std, "bos_token_id": 1, "eos_token_id": eod_id,
         "torch_dtype": "float32", "dtype": "float32",
@@ -96,9 +105,8 @@ def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
     try:
         theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0)
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise DrScaleError(f"{source}: rope scaling {rope!r} is not supported")
+        rope = config.get("rope_parameters") or config.get("rope_scaling")
+        scaling = RopeScaling.parse(rope, f"{source}: rope_parameters")
         heads = config["num_attention_heads"]
         if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
             raise DrScaleError(f"{source}: head_dim x heads != hidden_size is not supported")
@@ -110,7 +118,8 @@ def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
                     ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
                     max_seq_length=config.get("max_position_embeddings", 2048),
                     tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                    norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta))
+                    norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                    rope_scaling=None if scaling is None else scaling.to_hf())
     except KeyError as e:
         raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
 
@@ -129,10 +138,13 @@ SPEC = MODEL_REGISTRY.register("llama", ModelSpec(
         "llama_125m": dict(_LLAMA, hidden_size=768, num_layers=12, num_heads=12,
                            num_kv_heads=12, ffn_hidden_size=2048, max_seq_length=2048,
                            vocab_size=32000, tie_embeddings=True),
-        # Llama-3.2-1B shape.
+        # Llama-3.2-1B shape, its long-context rotary scaling included.
         "llama_1b": dict(_LLAMA, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                          ffn_hidden_size=8192, max_seq_length=4096, vocab_size=128256,
-                         tie_embeddings=True, rope_theta=500000.0),
+                         tie_embeddings=True, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
         # Llama-2-7B and Llama-2-70B shapes.
         "llama_7b": dict(_LLAMA, hidden_size=4096, num_layers=32, num_heads=32,
                          num_kv_heads=32, ffn_hidden_size=11008, max_seq_length=4096,

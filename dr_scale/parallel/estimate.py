@@ -9,7 +9,8 @@ What is counted, per rank, for AdamW under DeepSpeed:
   ZeRO-1+; with optimizer offload they live in host memory (reported apart);
 - activations: the tensors the backward pass keeps, counted from this code's layers (norm
   statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
-  checkpointing policy, plus the logits and their fp32 loss copies;
+  checkpointing policy, plus the loss's: one chunk of logits and the head's gradients when the
+  head and loss are fused (the default), else the whole logits and their fp32 loss copies;
 - buffers: DeepSpeed's communication buckets: the contiguous gradient bucket ZeRO-2/3 allocate
   at `reduce_bucket_size` elements, ZeRO-3's gathered parameters (up to
   `stage3_max_live_parameters`, default 1e9: the whole 16-bit model below that size),
@@ -103,6 +104,19 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
     return norms + attention + mlp
 
 
+def loss_bytes(shape, tokens: int, lp: int, fused: bool, slices: int = 1) -> float:
+    """The LM head's output and the loss's transients. Fused (models/lm_head.py): one chunk's
+    fp32 logits and their 16/32-bit gradient, the weight gradient summed in fp32 (and its cast
+    to 16 bits at the end under mixed precision) and the hidden states' gradient. Whole: the logits, their fp32 log-softmax and fp32 gradient, a
+    vocabulary-parallel head holding its slice of each."""
+    v, d = shape.vocab_size, shape.hidden_size
+    if fused and shape.loss_chunk > 0:
+        chunk = min(shape.loss_chunk, tokens)
+        weight_grad = v * d * (4 + (lp if lp < 4 else 0))
+        return chunk * v * (4 + lp) + weight_grad + tokens * d * lp
+    return tokens * v * (lp + 4 + 4) / slices
+
+
 def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool, world: int,
              tp: int = 1, pp: int = 1, vocab_parallel: bool = False, micro_batch: int,
              seq_length: int,
@@ -142,8 +156,8 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: bool,
         acts = layers * (per_layer - attn / max(1, checkpoint_every))
     else:
         acts = layers * per_layer
-    # logits, fp32 log-softmax, fp32 gradient; a vocabulary-parallel head holds its slice
-    logits = tokens * shape.vocab_size * (lp + 4 + 4) / (tp if vocab_parallel else 1)
+    logits = loss_bytes(shape, tokens, lp, fused=pp == 1 and not vocab_parallel,
+                        slices=tp if vocab_parallel else 1)
     activations = acts / tp + logits
     if zero_stage >= 2 and contiguous_gradients:
         buffers = reduce_bucket * lp

@@ -3,6 +3,7 @@ under ZeRO-3's zero.Init against the same model built whole from the same seed."
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -48,6 +49,28 @@ def rank_main(rank, port, out):
         result[f"{preset}/{precision}"] = {"params": rows, "held": held, "groups": groups,
                                            "total": count_parameters(sharded),
                                            "plain_total": count_parameters(plain)}
+        # model.init_from into the sharded model: a folder of small shards (a few tensors
+        # each), every rank reading only its own partition of each tensor
+        from safetensors.torch import save_file
+
+        from dr_scale.export.hf import load_into
+        from dr_scale.export.safetensors_folder import HFWeights
+
+        folder = Path(f"{out}.hf{rank}.{preset}.{precision}")
+        folder.mkdir()
+        torch.manual_seed(99)
+        source = {k: torch.randn(v.shape) for k, v in plain.state_dict().items()
+                  if not (shape.tie_embeddings and k == "lm_head.weight")}
+        names = sorted(source)
+        for i in range(0, len(names), 5):
+            save_file({k: source[k] for k in names[i:i + 5]}, str(folder / f"part{i}.safetensors"))
+        load_into(sharded, HFWeights(folder), str(folder))
+        loaded = {}
+        for name, p in sharded.named_parameters():
+            with deepspeed.zero.GatheredParameters([p]):
+                want = source[name].to(p.dtype)
+                loaded[name] = bool(torch.equal(p.data, want))
+        result[f"{preset}/{precision}"]["loaded"] = loaded
     with open(f"{out}.{rank}", "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()

@@ -1,0 +1,80 @@
+"""The fused, chunked LM head + cross-entropy (models/lm_head.py) against the whole logits and
+torch's cross-entropy: losses and gradients, per precision, in the model and alone."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dr_scale.config.schema import ModelConfig
+from dr_scale.kernels.policy import CROSS_ENTROPY
+from dr_scale.models import build_model, resolve_shape
+from dr_scale.models.lm_head import chunk_tokens, linear_cross_entropy
+
+
+def reference(hidden, weight, labels):
+    logits = hidden @ weight.t()
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def grads(fn, hidden, weight, labels, scale=1.0):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    loss = fn(h, w, labels)
+    (loss * scale).backward()  # a scaled loss, as gradient accumulation's 1/accum
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [7, 64, 4096])  # not dividing, dividing, one chunk
+def test_fused_loss_and_gradients_equal_the_whole_logits(dtype, chunk):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 43, 32).to(dtype)
+    weight = (torch.randn(301, 32) * 0.3).to(dtype)
+    labels = torch.randint(0, 301, (3, 43))
+    labels[1, :9] = -100  # ignored tokens leave the mean
+    fused = grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk), hidden, weight, labels, 0.25)
+    whole = grads(reference, hidden, weight, labels, 0.25)
+    assert fused[0].dtype == torch.float32 and fused[1].dtype == fused[2].dtype == dtype
+    tol = CROSS_ENTROPY.tol(dtype)
+    for got, want, what in zip(fused, whole, ("loss", "hidden gradient", "weight gradient")):
+        scale = want.abs().max().item()  # gradients compared relative to their largest entry
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= tol.atol * max(scale, 1.0) + tol.rtol * scale, (what, err, scale)
+
+
+def test_fused_loss_without_gradients_equals_the_whole_logits():
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(2, 50, 16), torch.randn(97, 16)
+    labels = torch.randint(0, 97, (2, 50))
+    with torch.no_grad():
+        got = linear_cross_entropy(hidden, weight, labels, 16)
+    assert torch.allclose(got, reference(hidden, weight, labels), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2_tiny"])
+def test_models_train_the_same_fused_and_unfused(preset):
+    """Same weights, same batch: the model's loss and every parameter's gradient (the tied
+    embedding's included) agree in fp32 between chunks of 40 tokens and whole logits."""
+    shapes = [resolve_shape(ModelConfig(preset=preset, loss_chunk_tokens=c, num_layers=2))
+              for c in (40, 0)]
+    torch.manual_seed(3)
+    fused = build_model(shapes[0])
+    whole = build_model(shapes[1])
+    whole.load_state_dict(fused.state_dict())
+    ids = torch.randint(0, shapes[0].vocab_size, (2, 65))
+    losses = []
+    for model in (fused, whole):
+        loss = model(ids[:, :-1], labels=ids[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (name, p), q in zip(fused.named_parameters(), whole.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4), name
+    with torch.no_grad():  # no labels: the logits, as before
+        assert torch.equal(fused(ids), whole(ids))
+
+
+def test_chunk_rule_bounds_the_logits_and_zero_keeps_them_whole():
+    assert chunk_tokens(128256) == 512 and chunk_tokens(32000) == 2048
+    assert chunk_tokens(10 ** 9) == 16  # never below 16 tokens
+    assert resolve_shape(ModelConfig(preset="llama_1b")).loss_chunk == 512
+    assert resolve_shape(ModelConfig(preset="tiny", loss_chunk_tokens=0)).loss_chunk == 0
