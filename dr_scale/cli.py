@@ -3,13 +3,14 @@
     dr-scale tokenizer  --input a.txt b.jsonl --out tok --vocab_size 8192
     dr-scale tokenizer  --type bpe --input a.jsonl --out tok   (a tokenizer.json)
     dr-scale preprocess --input a.jsonl b.parquet --tokenizer tok.model --out data/corpus [--workers N]
-    dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema]
+    dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema] [--max_shard_size 5GB]
     dr-scale reshard    --run_dir runs/X --ranks 16 [--zero_stage 3] [--step N] [--workers K]
     dr-scale presets
     dr-scale estimate   --ds_config zero3 --ranks 8 [--config Y] [dotted.key=value ...] [--json]
     dr-scale bench      [--quick] [benchmarks/throughput.py options]
 """
 import argparse
+import math
 import os
 import sys
 import time
@@ -45,31 +46,37 @@ def cmd_preprocess(a):
 
 
 def cmd_export(a):
+    import resource
     from pathlib import Path
 
-    from dr_scale.export.consolidate import consolidated_state_dict, run_shape
-    from dr_scale.export.hf import write_folder
     from dr_scale.data.tokenizer import load_tokenizer, tokenizer_file_in
+    from dr_scale.export.consolidate import checkpoint_source, ema_source, run_shape
+    from dr_scale.export.hf import write_folder
+    from dr_scale.export.safetensors_folder import parse_size
     from dr_scale.train.checkpoint import find_tag
+    from tqdm import tqdm  # percent, rate and ETA on stderr
 
     run_dir = Path(a.run_dir)
     shape = run_shape(run_dir)
+    max_bytes = parse_size(a.max_shard_size)
     ckpt_dir = run_dir / "checkpoints"
     tag = find_tag(ckpt_dir, a.step)
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise DrScaleError(f"{out}: exists and is not empty; choose a new --out")
-    if a.ema:
-        from dr_scale.export.consolidate import ema_state_dict
-
-        state = ema_state_dict(ckpt_dir / tag, shape)
-    else:
-        state = consolidated_state_dict(ckpt_dir, tag, shape)
     tok_file = tokenizer_file_in(run_dir)
     if tok_file is None:
         raise DrScaleError(f"{run_dir}: no tokenizer.model or tokenizer.json (not a run folder?)")
-    write_folder(out, state, shape, load_tokenizer(tok_file))
-    print(f"wrote {out} (Hugging Face LlamaForCausalLM) from {ckpt_dir / tag}")
+    source = ema_source(ckpt_dir / tag, shape) if a.ema else \
+        checkpoint_source(ckpt_dir, tag, shape)
+    total = sum(math.prod(s) for _, s in source.entries) * 4
+    with tqdm(total=total, unit="B", unit_scale=True, desc="export") as bar:
+        write_folder(out, source, shape, load_tokenizer(tok_file), max_shard_bytes=max_bytes,
+                     progress=bar.update)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"wrote {out} (Hugging Face {shape.arch}, {len(files)} weight file(s), "
+          f"{total / 2**30:.2f} GiB) from {ckpt_dir / tag}; peak RSS {peak:.2f} GiB")
 
 
 def cmd_reshard(a):
@@ -204,6 +211,9 @@ def build_parser():
     ex.add_argument("--out", required=True)
     ex.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
     ex.add_argument("--ema", action="store_true", help="export the EMA weights")
+    ex.add_argument("--max_shard_size", default="5GB",
+                    help="largest weight file (5GB, 500MB, 2GiB); larger models are split into "
+                         "model-0000k-of-0000n.safetensors with an index, as transformers does")
     ex.set_defaults(fn=cmd_export)
     rs = sub.add_parser("reshard", help="convert a checkpoint for another number of ranks or "
                         "ZeRO stage, ahead of the job that resumes it")

@@ -38,14 +38,32 @@ def ours_from_run(run):
     return model.eval()
 
 
-def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path):
+@pytest.mark.parametrize("shard", [None, "3MB"])
+def test_export_loads_in_transformers_with_equal_logits(trained_run, tmp_path, shard):
+    """One file, or (a ZeRO-3 checkpoint streamed a tensor at a time) shards of at most 3 MB
+    with an index: the same bytes as the consolidated weights; transformers' logits are ours."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    from dr_scale.export.safetensors_folder import HFWeights
+
     out = tmp_path / "hf"
-    proc = export(trained_run, out)
+    proc = export(trained_run, out, *(["--max_shard_size", shard] if shard else []))
     assert proc.returncode == 0, proc.stderr
-    hf = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    files = sorted(p.name for p in out.glob("*.safetensors"))
     ours = ours_from_run(trained_run)
+    if shard:
+        assert len(files) > 2 and (out / "model.safetensors.index.json").is_file()
+        held = {}
+        for name, path in HFWeights(out).file_of.items():
+            held.setdefault(path.name, []).append(name)
+        for f in files:  # over the limit only a tensor larger than it, alone in its file
+            assert (out / f).stat().st_size <= 3 * 10 ** 6 or len(held[f]) == 1, (f, held[f])
+    else:
+        assert files == ["model.safetensors"]
+    weights = HFWeights(out)
+    for name, value in ours.state_dict().items():
+        assert torch.equal(weights.read(name), value), name
+    hf = LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         a, b = ours(ids), hf(ids).logits
@@ -89,6 +107,18 @@ def test_import_of_a_sharded_transformers_llama3_matches_its_logits(tmp_path):
     no_scaling.load_state_dict(ours.state_dict())
     with torch.no_grad():
         assert (no_scaling(ids) - hf(ids).logits).abs().max().item() > 1e-2  # it is tested
+    # and back: our config (rope scaling included) and streamed shards, read by transformers
+    from dr_scale.export.checkpoint_source import WholeSource
+    from dr_scale.export.hf import write_config
+    from dr_scale.export.safetensors_folder import write_shards
+
+    back = tmp_path / "back"
+    write_config(back, ours.shape, eod_id=2)
+    source = WholeSource(ours.state_dict())
+    write_shards(back, source.entries, source.pieces, torch.float32, 300_000)
+    again = LlamaForCausalLM.from_pretrained(str(back), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
 
 
 
@@ -109,6 +139,8 @@ def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_
     (lambda run, out: (run / "run.json").unlink(), r"run\.json: not found"),
     (lambda run, out: (out.mkdir(), (out / "x").write_text("keep")), r"exists and is not empty"),
     (lambda run, out: None, r"step 3: no such checkpoint; have: 8"),
+    (lambda run, out: None, r"--max_shard_size: expected a size such as 5GB, 500MB or 2GiB, "
+                            r"got 'lots'"),
 ])
 def test_export_bad_input(trained_run, tmp_path, setup, pattern):
     import shutil
@@ -117,7 +149,8 @@ def test_export_bad_input(trained_run, tmp_path, setup, pattern):
     shutil.copytree(trained_run, run)
     out = tmp_path / "out"
     setup(run, out)
-    proc = export(run, out, *(["--step", "3"] if "step 3" in pattern else []))
+    proc = export(run, out, *(["--step", "3"] if "step 3" in pattern else []),
+                  *(["--max_shard_size", "lots"] if "max_shard_size" in pattern else []))
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if "error:" in l]
     assert len(lines) == 1 and __import__("re").search(pattern, lines[0]), proc.stderr

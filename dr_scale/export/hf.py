@@ -5,18 +5,17 @@ the config is translated (by the family's own functions, in its model file).
 """
 import json
 from pathlib import Path
-from typing import Dict
 
 import torch
 
 from dr_scale.data.tokenizer import tokenizer_file_in
 from dr_scale.errors import DrScaleError
-from dr_scale.export.safetensors_folder import HFWeights
+from dr_scale.export.safetensors_folder import HFWeights, write_shards
 from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.registry import MODEL_REGISTRY
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 * 10 ** 9  # "5GB", transformers' default
 
 
 def hf_config(shape: ModelShape, eod_id: int) -> dict:
@@ -43,21 +42,23 @@ def shape_from_hf(config: dict, source: str) -> dict:
                        f"{known}")
 
 
-def write_folder(out: Path, state: Dict[str, torch.Tensor], shape: ModelShape, tokenizer,
-                 dtype=torch.float32):
-    """config.json, model.safetensors (tied head stored once) and the run's tokenizer (a
-    data.tokenizer.load_tokenizer object)."""
-    from safetensors.torch import save_file
+def write_folder(out: Path, source, shape: ModelShape, tokenizer, dtype=torch.float32,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None):
+    """config.json, the weights of `source` (an export.checkpoint_source.Source: a tensor at a
+    time, in shards of at most `max_shard_bytes`; a tied head stored once) and the run's
+    tokenizer (a data.tokenizer.load_tokenizer object)."""
+    write_config(out, shape, tokenizer.eod_id, dtype)
+    entries = [(n, s) for n, s in source.entries
+               if not (shape.tie_embeddings and n == "lm_head.weight")]
+    write_shards(out, entries, source.pieces, dtype, max_shard_bytes, progress)
+    write_tokenizer(out, tokenizer)
 
+
+def write_config(out: Path, shape: ModelShape, eod_id: int, dtype=torch.float32):
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-    if shape.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    cfg = hf_config(shape, tokenizer.eod_id)
+    cfg = hf_config(shape, eod_id)
     cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
     (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    write_tokenizer(out, tokenizer)
 
 
 def write_tokenizer(out: Path, tokenizer):

@@ -3,15 +3,16 @@
 
 Reading opens each file through safetensors' memory map and copies out one tensor (or a range of
 its rows: a ZeRO-3 rank reads only its own partition), so no reader holds the whole model.
-Writing fills shards up to a size limit and writes each when full, in the layout transformers
-writes with `save_pretrained(max_shard_size=...)` (the same index and file names).
+Writing streams tensors into shards up to a size limit, one piece of a tensor in memory at a
+time, in the layout transformers writes with `save_pretrained(max_shard_size=...)` (the same
+index and file names).
 """
 import json
 import math
 import os
 import re
 from pathlib import Path
-from typing import Dict, Iterable, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -104,45 +105,74 @@ class HFWeights:
             raise DrScaleError(f"{path}: cannot read {name} ({type(e).__name__})") from None
 
 
-class ShardWriter:
-    """Tensors in, shards of at most `max_bytes` out (a tensor larger than that gets a shard of
-    its own); `close()` names the files and writes the index when there is more than one."""
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = Path(out), max_bytes
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.pending: Dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.written = []  # (temporary file, names)
-        self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor):
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
+def plan_shards(entries, dtype, max_bytes: int) -> List[List[Tuple[str, tuple]]]:
+    """(name, shape) entries in order, grouped into shards of at most `max_bytes` (a tensor
+    larger than that gets a shard of its own), as transformers' save_pretrained groups them."""
+    item = torch.empty((), dtype=dtype).element_size()
+    shards, current, size = [], [], 0
+    for name, shape in entries:
+        nbytes = math.prod(shape) * item
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, tuple(shape)))
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
 
-    def _flush(self):
-        from safetensors.torch import save_file
 
-        path = self.out / f".shard-{len(self.written):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.written.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+def write_shards(out: Path, entries, pieces, dtype, max_bytes: int,
+                 progress=None) -> List[Path]:
+    """Write `entries` ((name, shape) in order) from `pieces(name)` (1-D pieces of the
+    flattened tensor, in order) as safetensors shards of at most `max_bytes`, one piece in memory
+    at a time, plus the index when there is more than one shard. Each shard is written to a
+    hidden name and renamed when complete.
 
-    def close(self) -> Iterable[Path]:
-        if self.pending:
-            self._flush()
-        n = len(self.written)
-        names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                         for i in range(n)]
-        for (tmp, _), name in zip(self.written, names):
-            os.replace(tmp, self.out / name)
-        if n > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {t: name for (_, ts), name in zip(self.written, names)
-                                    for t in ts}}
-            (self.out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return [self.out / name for name in names]
+    Why not safetensors' own writer: its save_file takes every tensor of a file at once, in
+    memory; the format (an 8-byte header length, a JSON header of dtypes, shapes and byte
+    offsets, then the raw little-endian data) lets a file be written tensor by tensor when the
+    shapes are known first, which they are. Files are read back by safetensors itself."""
+    import struct
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(entries, dtype, max_bytes)
+    n = len(shards)
+    names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    item = torch.empty((), dtype=dtype).element_size()
+    weight_map, total = {}, 0
+    for shard, file_name in zip(shards, names):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in shard:
+            nbytes = math.prod(shape) * item
+            header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        tmp = out / f".{file_name}.incoming"
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for name, shape in shard:
+                written = 0
+                for piece in pieces(name):
+                    data = piece.to(dtype).contiguous()
+                    f.write(data.view(torch.uint8).numpy().data)
+                    written += data.numel()
+                if written != math.prod(shape):
+                    raise DrScaleError(f"{name}: {written} values read, its shape {shape} holds "
+                                       f"{math.prod(shape)}")
+                weight_map[name] = file_name
+                if progress is not None:
+                    progress(math.prod(shape) * item)
+        os.replace(tmp, out / file_name)
+        total += offset
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [out / name for name in names]
