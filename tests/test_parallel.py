@@ -187,14 +187,15 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
     proc = launch(["--ds_config", "zero3", "--run_dir", tmp_path / "a",
                    "parallel.pipeline_parallel=2"], 2, cache_dir, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    # one line per rank (the two may interleave on the shared stderr)
+    # each rank stops with the same line, but the launcher kills the second rank as soon as the
+    # first exits, so one or both lines reach stderr (they may interleave)
     assert proc.stderr.count("zero_optimization.stage=3 with parallel.pipeline_parallel=2: "
-                             "DeepSpeed's pipeline engine supports ZeRO-0/1 only; use zero1") == 2
+                             "DeepSpeed's pipeline engine supports ZeRO-0/1 only; use zero1") in (1, 2)
     proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "c",
                    "parallel.pipeline_parallel=2", "callbacks={ema: {enabled: true}}"], 2,
                   cache_dir, check=False)
-    assert proc.returncode == 2 and proc.stderr.count(
-        "callbacks.ema: not available with parallel.pipeline_parallel=2") == 2
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count(
+        "callbacks.ema: not available with parallel.pipeline_parallel=2") in (1, 2)
     proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / "b",
                    "parallel.tensor_parallel=3", "model.preset=tiny"], 1, cache_dir,
                   launcher="python", check=False)
