@@ -37,7 +37,7 @@ setup(
         "triton": ["triton>=3.0"],
         # .zst and Parquet inputs to `dr-scale preprocess`
         "data": ["zstandard>=0.22", "pyarrow>=14"],
-        "dev": ["pytest>=8", "hypothesis>=6", "triton>=3.0", "tensorboard>=2.14", "wandb>=0.16", "transformers>=4.40",
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6", "triton>=3.0", "tensorboard>=2.14", "wandb>=0.16", "transformers>=4.40",
                 "safetensors>=0.4", "zstandard>=0.22", "pyarrow>=14", "megatron-core>=0.9"],
     },
     entry_points={"console_scripts": ["dr-scale=dr_scale.cli:main"]},

@@ -59,10 +59,13 @@ def run_group(cmd, env, timeout):
 
 def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed"):
     """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks; a
-    launch past `timeout` is killed with all its ranks and fails the test."""
+    launch past `timeout` is killed with all its ranks and fails the test. One rank starts as
+    `python pretrain.py` either way: the launcher's two interpreters of its own (runner, then
+    per-node launch, each importing DeepSpeed) cost ~4.5 s a launch, and the launcher forms
+    have tests of their own (the README's main job, launchers and nodes, the installed module)."""
     env = dict(os.environ, DR_SCALE_CACHE=str(cache), PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)  # threads per rank: cores / ranks, whatever the shell has
-    if launcher == "deepspeed":
+    if launcher == "deepspeed" and ranks > 1:
         cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
                str(PRETRAIN), *map(str, args)]
     else:

@@ -55,12 +55,6 @@ def test_tensor_and_sequence_parallel_equal_one_rank(reference, tmp_path, cache_
     assert "model.layers.0.self_attn.k_proj.bias" in got[4]
 
 
-def test_data_parallel_with_recomputation_equals_one_rank(reference, tmp_path, cache_dir):
-    """DP 2 under ZeRO-3 with full recomputation of every block."""
-    assert_same(run(tmp_path, cache_dir, "dp2_z3_full", 3, 2, 2, QWEN,
-                    "parallel.activation_checkpointing=full"), reference)
-
-
 def test_pipeline_equals_one_rank(reference, tmp_path, cache_dir):
     losses, _, _, ds_norm, weights, _, _ = run(tmp_path, cache_dir, "dp2_pp2", 1, 4, 1, QWEN,
                                                "parallel.pipeline_parallel=2", monitor=False)

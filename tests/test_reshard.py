@@ -1,5 +1,5 @@
-"""A checkpoint written by N ranks resumes on M ranks (and ZeRO-1 <-> ZeRO-2), the loss going
-on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
+"""A checkpoint written by N ranks resumes on M ranks (and at another ZeRO stage), the loss
+going on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
 import shutil
 import subprocess
 import sys
@@ -43,11 +43,10 @@ def stopped_at_step_4(full, run):
     (run / "checkpoints" / "latest").write_text("step_00000004\n")
 
 
+# fewer ranks, and more ranks with a change of ZeRO stage: each case costs two launches on a
+# 2-core machine, so these stand for the rest (DeepSpeed's universal form covers them alike)
 @pytest.mark.parametrize("save, resume", [
     ((2, "zero3"), (1, "zero3")),
-    ((2, "zero1"), (1, "zero2")),
-    ((1, "zero2"), (2, "zero1")),
-    ((2, "zero3"), (1, "zero1")),
     ((1, "zero1"), (2, "zero3")),
 ])
 def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_dir, tmp_path):

@@ -95,11 +95,12 @@ def test_readme_main_job(cache_dir, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.parametrize("ds_config", ["zero0", "zero1", "zero2", "zero3_offload"])
+# ZeRO-1 trains in the resume, crash and parallelism tests; these are the stages it leaves
+@pytest.mark.parametrize("ds_config", ["zero0", "zero2", "zero3_offload"])
 def test_every_zero_stage_trains(ds_config, cache_dir, tmp_path):
     run = tmp_path / "run"
     # wandb rides along on one of them: offline, no network, and the run must not care.
-    wandb = ["logging.wandb=true", "logging.wandb_mode=offline"] if ds_config == "zero1" else []
+    wandb = ["logging.wandb=true", "logging.wandb_mode=offline"] if ds_config == "zero2" else []
     launch(["--ds_config", ds_config, "--run_dir", run, *SHORT, *wandb], 2, cache_dir)
     ev = evals(run)
     # 16 steps of 8 x 64 tokens: measured 8.357 -> 6.062 (0.73) at ZeRO-1, 2 ranks
