@@ -120,4 +120,13 @@ def test_data_continues_at_the_next_sample_when_the_data_parallel_size_changes(c
     train = [r for r in records(run) if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
     assert [r["consumed_samples"] for r in train] == [2, 4, 8, 12, 14, 16]
+    # The sample positions every rank of each leg read, from where the legs said they resumed
+    # (the loader's own sampler, micro-batch 2): the multiset of the uninterrupted run's 16.
+    from dr_scale.data.loader import StepBatchSampler
+
+    def read(start, steps, ranks):
+        return [i for rank in range(ranks)
+                for batch in StepBatchSampler(2, 1, ranks, rank, start, steps) for i in batch]
+    legs = read(0, 2, 1) + read(4, 2, 2) + read(12, 2, 1)
+    assert sorted(legs) == read(0, 8, 1) == list(range(16))
     assert [r["consumed_tokens"] for r in train] == [32 * n for n in (2, 4, 8, 12, 14, 16)]
