@@ -7,6 +7,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess
@@ -55,6 +56,19 @@ def run_group(cmd, env, timeout):
         out, err = proc.communicate()
         return None, out, err
     return proc.returncode, out, err
+
+
+def stopped_at(full, run, step: int):
+    """Copy the run folder `full` to `run` as a run stopped (or killed) after its checkpoint at
+    `step` would leave it: the same deterministic steps wrote the same checkpoint, so the
+    uninterrupted run's copy serves. The records it logged later are set aside by the resume
+    itself (metrics.superseded.jsonl)."""
+    shutil.copytree(full, run)
+    ckpt = run / "checkpoints"
+    for later in ckpt.glob("step_*"):
+        if int(later.name.split("_")[1]) > step:
+            shutil.rmtree(later)
+    (ckpt / "latest").write_text(f"step_{step:08d}\n")
 
 
 def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed"):

@@ -1,12 +1,11 @@
 """A checkpoint written by N ranks resumes on M ranks (and at another ZeRO stage), the loss
 going on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import launch, stopped_at
 from tests.test_train_distributed import records
 
 ARGS = ["data.seq_length=64", "train.max_steps=8", "train.warmup_steps=2",
@@ -34,15 +33,6 @@ def uninterrupted(cache_dir, tmp_path_factory):
     return get
 
 
-def stopped_at_step_4(full, run):
-    """The run folder as a run stopped (or killed) after its step-4 checkpoint leaves it: the
-    same deterministic steps wrote the same checkpoint, so the uninterrupted run's copy serves.
-    The records it logged later are set aside by the resume itself (metrics.superseded.jsonl)."""
-    shutil.copytree(full, run)
-    shutil.rmtree(run / "checkpoints" / "step_00000008")
-    (run / "checkpoints" / "latest").write_text("step_00000004\n")
-
-
 # fewer ranks, and more ranks with a change of ZeRO stage: each case costs two launches on a
 # 2-core machine, so these stand for the rest (DeepSpeed's universal form covers them alike)
 @pytest.mark.parametrize("save, resume", [
@@ -53,7 +43,7 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
     (save_ranks, save_ds), (resume_ranks, resume_ds) = save, resume
     full = uninterrupted(save_ranks, save_ds)
     run = tmp_path / "run"
-    stopped_at_step_4(full, run)
+    stopped_at(full, run, 4)
     proc = launch(["--ds_config", resume_ds, "--run_dir", run, "--resume"], resume_ranks, cache_dir)
     assert "resharding" in proc.stdout and "at step 4 (32 samples consumed)" in proc.stdout
     a, b = losses(full), losses(run)
@@ -69,7 +59,7 @@ def test_reshard_ahead_of_the_job_with_parallel_workers(uninterrupted, cache_dir
     full = uninterrupted(2, "zero3")
     runs = {w: tmp_path / f"w{w}" / "run" for w in (1, 2)}
     for workers, run in runs.items():
-        stopped_at_step_4(full, run)
+        stopped_at(full, run, 4)
         proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir",
                                str(run), "--ranks", "1", "--workers", str(workers)],
                               capture_output=True, text=True, timeout=300)
