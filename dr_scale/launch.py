@@ -136,21 +136,30 @@ def main(argv=None):
         code = 0
     except TrainingStopped as e:
         if os.environ.get("RANK", "0") == "0":
-            print(f"dr_scale: stopped: {e}", file=sys.stderr, flush=True)
+            say(f"dr_scale: stopped: {e}")
         close_distributed()  # every rank stops at the same step, so they can leave together
         code = EXIT_PREEMPTED if isinstance(e, Preempted) else EXIT_STOPPED
     except RuntimeError as e:  # a collective that timed out or lost its peer: one line
         error = hangs.as_error(e, int(os.environ.get("RANK", "0")))
         if error is None:
             raise
-        print(f"dr_scale: error: {error}", file=sys.stderr, flush=True)
+        say(f"dr_scale: error: {error}")
         code = 1
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "
-        print(f"{prefix}dr_scale: error: {e}", file=sys.stderr, flush=True)
+        say(f"{prefix}dr_scale: error: {e}")
         code = 2
     leave(code)
+
+
+def say(line: str):
+    """One line to stderr in one write. print() writes the text and its newline separately, and
+    with stderr unbuffered (PYTHONUNBUFFERED, as launchers and schedulers often set it) two ranks
+    stopping at once printed "line0line1\\n\\n": one merged line, seen in CI. A pipe takes a
+    write of up to 4 KiB whole, so each rank's line stays its own."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def leave(code: int):
