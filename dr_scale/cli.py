@@ -240,12 +240,25 @@ def build_parser():
     return p
 
 
+def parse(parser, argv):
+    """Like parse_args, with a command's dotted.key=value overrides allowed between its options
+    (argparse's intermixed parsing does not take subcommands)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all("=" in x and not x.startswith("-")
+                                                    for x in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        raise DrScaleError(f"command line: unrecognized arguments: {' '.join(extra)} (see "
+                           f"dr-scale {argv[0]} --help)")
+    return args
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if argv[:1] == ["bench"]:  # its options belong to the benchmark script
             return cmd_bench(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = parse(build_parser(), argv)
         args.fn(args)
     except DrScaleError as e:
         print(f"dr-scale: error: {e}", file=sys.stderr)

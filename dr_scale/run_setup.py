@@ -58,7 +58,8 @@ def parse_args(argv=None):
                    help="start even when the memory estimate exceeds what a rank has")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed's
     p.add_argument("overrides", nargs="*", metavar="dotted.key=value")
-    return p.parse_args(_resume_forms(sys.argv[1:] if argv is None else list(argv)))
+    # overrides may come before, between or after the options, as people type them
+    return p.parse_intermixed_args(_resume_forms(sys.argv[1:] if argv is None else list(argv)))
 
 
 def _resume_forms(argv):

@@ -186,3 +186,23 @@ def test_resume_forms_on_the_command_line():
     with pytest.raises(DrScaleError, match=r"^command line: --resume=sometimes: expected auto or "
                                            r"latest$"):
         parse_args(["--ds_config", "zero3", "--resume=sometimes"])
+
+
+def test_overrides_may_sit_between_the_options():
+    """`--ds_config zero3 model.preset=tiny --run_dir D train.max_steps=5`, for the launcher and
+    the console script alike; what is neither an option nor key=value is still one line."""
+    from dr_scale.cli import build_parser, parse
+    from dr_scale.errors import DrScaleError
+    from dr_scale.run_setup import parse_args
+
+    a = parse_args(["--ds_config", "zero3", "model.preset=tiny", "--run_dir", "d", "x.y=1",
+                    "--resume", "auto", "z=2"])
+    assert (a.ds_config, a.run_dir, a.resume, a.overrides) == \
+        ("zero3", "d", "auto", ["model.preset=tiny", "x.y=1", "z=2"])
+    e = parse(build_parser(), ["estimate", "--ds_config", "zero3", "model.preset=tiny",
+                               "--ranks", "8", "train.micro_batch_size=1", "--json"])
+    assert (e.ranks, e.json, e.overrides) == (8, True, ["model.preset=tiny",
+                                                        "train.micro_batch_size=1"])
+    with pytest.raises(DrScaleError, match=r"^command line: unrecognized arguments: --bogus "
+                                           r"\(see dr-scale estimate --help\)$"):
+        parse(build_parser(), ["estimate", "--ds_config", "zero3", "a=1", "--bogus"])
