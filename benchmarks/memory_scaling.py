@@ -2,9 +2,12 @@
 """Memory that falls with ranks, start-up included: llama_1b (the full preset shape) under ZeRO-3
 trains 3 steps on N ranks of this machine for each N, side by side in one run; each rank's peak
 RSS from process start to the end of step 3 (the largest over the ranks) against
-`dr-scale estimate`'s per-rank figure for the same run.
+`dr-scale estimate`'s per-rank figure for the same run. With several --ds_config (zero3
+zero3_nvme: ZeRO-Infinity's optimizer state on NVMe), each runs at each rank count, and the
+losses of each config are compared with the first's at the same rank count.
 
     python benchmarks/memory_scaling.py [--preset llama_1b] [--ranks 2 4] [--seq_length 256]
+                                        [--ds_config zero3 [zero3_nvme]] [--num_layers L]
 
 Precision: the bundled zero3 config's bf16 "auto" (bf16 where the CPU computes it natively,
 fp32 otherwise); the line printed says which. Writes results.jsonl and results.md; the CPU model
@@ -34,28 +37,28 @@ def run_args(preset, seq, ranks, vocab, layers=None):
             "train.log_interval=1", "logging.plot=false", "logging.tensorboard=false"]
 
 
-def measured(preset, seq, ranks, vocab, layers, work):
-    run = Path(tempfile.mkdtemp(prefix=f"{ranks}ranks-", dir=work)) / "run"
+def measured(ds_config, preset, seq, ranks, vocab, layers, work, extra=()):
+    run = Path(tempfile.mkdtemp(prefix=f"{ds_config}-{ranks}ranks-", dir=work)) / "run"
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 900),
-           str(ROOT / "launchers" / "pretrain.py"), "--ds_config", "zero3", "--run_dir", str(run),
-           *run_args(preset, seq, ranks, vocab, layers)]
+           str(ROOT / "launchers" / "pretrain.py"), "--ds_config", ds_config, "--run_dir", str(run),
+           *run_args(preset, seq, ranks, vocab, layers), *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"{ranks} ranks: the run failed ({proc.returncode}):\n"
+        raise SystemExit(f"{ds_config}, {ranks} ranks: the run failed ({proc.returncode}):\n"
                          + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     step3 = next(r for r in records if r.get("step") == 3 and "loss" in r)
     precision = re.search(r"ZeRO-3, (\w+)", proc.stdout).group(1)
     params = re.search(r"\) ([\d.]+[MB]) parameters;", proc.stdout).group(1)
-    return {"ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
+    return {"ds_config": ds_config, "ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
             "wall_s": round(time.perf_counter() - t0, 1), "precision": precision,
             "parameters": params, "losses": [r["loss"] for r in records if "loss" in r]}
 
 
-def estimated(preset, seq, ranks, vocab, layers) -> dict:
+def estimated(ds_config, preset, seq, ranks, vocab, layers) -> dict:
     proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config",
-                           "zero3", "--ranks", str(ranks), "--device", "cpu", "--json",
+                           ds_config, "--ranks", str(ranks), "--device", "cpu", "--json",
                            *run_args(preset, seq, ranks, vocab, layers)], capture_output=True,
                           text=True)
     if proc.returncode:
@@ -78,35 +81,50 @@ def main(argv=None):
                          "16 bytes of state a parameter, 0.98B parameters, plus each rank's "
                          "runtime and buckets; 2 ranks were OOM-killed at step 2 on a 23 GiB "
                          "machine)")
+    ap.add_argument("--ds_config", nargs="+", default=["zero3"],
+                    help="DeepSpeed configs side by side (e.g. zero3 zero3_nvme)")
     ap.add_argument("--out", default="bench_out/memory_scaling")
     a = ap.parse_args(argv)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
     depth = f", {a.num_layers} layers" if a.num_layers else ""
-    print(f"memory scaling: {a.preset}{depth} under ZeRO-3 on {a.ranks} rank(s), on {where}",
-          flush=True)
+    print(f"memory scaling: {a.preset}{depth}, {' and '.join(a.ds_config)} on {a.ranks} rank(s), "
+          f"on {where}", flush=True)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="memory-bench-") as work:
-        for ranks in a.ranks:
-            row = measured(a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers, work)
-            est = estimated(a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers)
+    with tempfile.TemporaryDirectory(prefix="memory-bench-", dir=os.environ.get("TMPDIR")) as work:
+        for ds_config, ranks in [(d, n) for d in a.ds_config for n in a.ranks]:
+            row = measured(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
+                           work)
+            est = estimated(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers)
             per_rank = est["bytes_per_rank"]
             row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
             row["measured_over_estimate"] = row["peak_rss_gib"] / row["estimate_gib"]
-            print(f"  {ranks} rank(s), {row['parameters']} parameters, {row['precision']}: peak "
-                  f"RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up included), estimate "
-                  f"{row['estimate_gib']:.2f} GiB ({row['measured_over_estimate']:.2f}x); wall "
-                  f"{row['wall_s']:.0f} s", flush=True)
+            print(f"  {ds_config}, {ranks} rank(s), {row['parameters']} parameters, "
+                  f"{row['precision']}: peak RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up "
+                  f"included), estimate {row['estimate_gib']:.2f} GiB "
+                  f"({row['measured_over_estimate']:.2f}x); wall {row['wall_s']:.0f} s",
+                  flush=True)
             rows.append(row)
-    for r in rows[1:]:
-        print(f"{r['ranks']} ranks / {rows[0]['ranks']} ranks: peak RSS per rank "
-              f"{r['peak_rss_gib'] / rows[0]['peak_rss_gib']:.2f}x")
+    first = {}
+    for r in rows:
+        base = first.setdefault(r["ds_config"], r)  # the config's first rank count
+        if r is not base:
+            print(f"{r['ds_config']}: {r['ranks']} ranks / {base['ranks']} ranks: peak RSS per "
+                  f"rank {r['peak_rss_gib'] / base['peak_rss_gib']:.2f}x")
+        ref = next(q for q in rows if q["ranks"] == r["ranks"])  # the first config's run
+        if ref is not r:
+            r["vs_first_config"] = round(r["peak_rss_gib"] / ref["peak_rss_gib"], 3)
+            r["max_loss_diff"] = max(abs(x - y) for x, y in zip(r["losses"], ref["losses"]))
+            print(f"{r['ranks']} ranks: {r['ds_config']} / {ref['ds_config']}: peak RSS per rank "
+                  f"{r['vs_first_config']:.2f}x; losses {r['losses']} vs {ref['losses']} (largest "
+                  f"difference {r['max_loss_diff']:.2e})")
     for r in rows:
         for k in ("peak_rss_gib", "estimate_gib", "startup_estimate_gib",
                   "measured_over_estimate"):
             r[k] = round(r[k], 3)
     write_results(a.out, rows, f"# Peak RSS per rank, {a.preset}{depth} ZeRO-3 ({where})",
-                  [("ranks", "ranks"), ("precision", "precision"),
+                  [("DeepSpeed config", "ds_config"), ("ranks", "ranks"),
+                   ("precision", "precision"),
                    ("peak RSS per rank (GiB)", "peak_rss_gib"), ("estimate (GiB)", "estimate_gib"),
                    ("measured / estimate", "measured_over_estimate"), ("wall (s)", "wall_s")],
                   dict(cpu=where))

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 
 
@@ -81,10 +82,12 @@ def batch_layout(train_cfg, dp_size: int) -> Dict[str, int]:
 
 
 def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
-         bf16_native: bool = True, device_type: str = "cpu") -> Dict[str, Any]:
+         bf16_native: bool = True, device_type: str = "cpu",
+         run_dir: Optional[Path] = None) -> Dict[str, Any]:
     """Return a copy of ``ds`` with every "auto" filled and every explicit value checked;
     ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.hardware), ZeRO's
-    communication settings come from ZERO_COMM for ``device_type``."""
+    communication settings come from ZERO_COMM for ``device_type``, offload's pin_memory is on
+    where there is a GPU to copy to, an NVMe swap folder "auto" is ``run_dir``/offload."""
     ds = copy.deepcopy(ds)
     t = cfg.train
     b = batch_layout(t, dp_size)
@@ -146,6 +149,10 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
     for key, value in tuned.items():
         if zero.get(key) == "auto":
             zero[key] = value
+    for section in ("offload_optimizer", "offload_param"):
+        if (zero.get(section) or {}).get("pin_memory") == "auto":
+            zero[section]["pin_memory"] = device_type == "cuda"
+    nvme_offload.fill_paths(ds, run_dir)
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")

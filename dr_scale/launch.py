@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale import comm, nvme_offload
 from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.data.documents import DocumentBoundaries
@@ -48,7 +48,7 @@ def check_config(args):
     topo = Topology.from_config(world_size_from_env(), cfg.parallel)
     early_shape = resolve_shape(cfg.model)  # unknown preset, indivisible heads, attention name
     par.check(early_shape, topo, cfg, raw_ds, ds_path)
-    dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path))
+    nvme_offload.check_system(dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path)), str(ds_path))
     build_callbacks(cfg.callbacks, topo.pipeline)
     dataset_types(cfg.data)
     if not args.skip_memory_check:  # before any rank allocates the model
@@ -66,13 +66,14 @@ def run(args):
     hangs.configure(cfg.train.collective_timeout_s)
     device, local_world = init_distributed(cfg.train.collective_timeout_s)
     topo = Topology.from_config(dist.get_world_size(), cfg.parallel, dist.get_rank())  # topology
+    run_dir = choose_run_dir(run_dir, cfg, args.resume)
     bf16 = bf16_support(device.type)
     ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
-                  device_type=device.type)
+                  device_type=device.type, run_dir=run_dir)
     precision = dsc.precision(ds)
     check_precision(ds, precision, ds_path)
+    offload_note = nvme_offload.prepare_dirs(ds, str(ds_path))
     layout = dsc.batch_layout(cfg.train, topo.data)
-    run_dir = choose_run_dir(run_dir, cfg, args.resume)
     resume_step, resume_at, resume_plan = None, (0, 0), None
     if args.resume:
         resume_step, consumed, resume_plan = plan_resume(run_dir / "checkpoints", topo, ds)
@@ -108,7 +109,8 @@ def run(args):
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
                       layout, run_dir, kernels_line,
                       DocumentBoundaries.of(cfg.data, sources.tokenizer))
-    for line in [*start.lines(), *(f"warning: {w}" for w in sources.warnings)]:
+    for line in [*start.lines(), *([f"offload: {offload_note}"] if offload_note else []),
+                 *(f"warning: {w}" for w in sources.warnings)]:
         logger.info(line)
 
     scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, cfg.train))

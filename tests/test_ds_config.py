@@ -9,7 +9,7 @@ from dr_scale.errors import DrScaleError
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero1", "zero2", "zero3", "zero3_offload",
-                                  "zero2_fp16"])
+                                  "zero3_nvme", "zero2_fp16"])
 def test_every_shipped_config_fills(name):
     cfg = load_config(overrides=["train.micro_batch_size=4", "train.global_batch_size=32"])
     ds = dsc.load(f"{name}.json", cfg, dp_size=2)
@@ -98,7 +98,7 @@ def test_bad_files_one_line(tmp_path, text, pattern):
     assert str(p) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme"])
 def test_zero_communication_is_tuned_per_device(name, tmp_path):
     """The bundled configs leave ZeRO's overlap and buckets to the device: CPU keeps the values
     measured here (no overlap, 5e7 buckets), a GPU gets DeepSpeed's (overlap, 5e8 reduction

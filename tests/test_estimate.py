@@ -51,7 +51,17 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z0["optimizer_states"] == pytest.approx(12 * n, rel=1e-6)  # fp32 master + Adam
     assert z3["optimizer_states"] == pytest.approx(12 * n / 8, rel=1e-6)
     off = estimate("zero3_offload", 8, *big, device="cuda")
-    assert off["optimizer_states"] == 0 and off["host_offload"] == pytest.approx(12 * n / 8, rel=1e-6)
+    # offloaded: fp32 master, Adam's moments and the fp32 gradients in host memory
+    assert off["optimizer_states"] == 0 and off["host_offload"] == pytest.approx(16 * n / 8, rel=1e-6)
+    assert off["gradients"] == pytest.approx(2 * n / 8, rel=1e-6)
+    # on a CPU host memory is the rank's own: offload moves nothing out of it
+    assert estimate("zero3_offload", 8, *big)["total"] == estimate("zero3", 8, *big)["total"]
+    # NVMe: the state in files, four fp32 swap buffers of one 2e7-parameter sub-group in memory;
+    # the fp32 gradient partition is made in memory before it is swapped out
+    nvme = estimate("zero3_nvme", 8, *big, device="cuda")
+    assert nvme["optimizer_states"] == nvme["host_offload"] == 0
+    assert nvme["gradients"] == z3["gradients"] == pytest.approx(6 * n / 8, rel=1e-6)
+    assert nvme["buffers"] - z3["buffers"] == 4 * 20_000_000 * 4
     full = estimate("zero3", 8, *big, "parallel.activation_checkpointing=full", device="cuda")
     assert full["activations"] < z3["activations"] / 5
     tp = estimate("zero3", 8, *big, "parallel.tensor_parallel=8", device="cuda")

@@ -76,8 +76,11 @@ class Zero3Source(Source):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             try:
-                self.lazy = get_fp32_state_dict_from_zero_checkpoint(
-                    str(self.ckpt_dir), tag=self.tag, lazy_mode=True)
+                if (self.ckpt_dir / self.tag / OFFLOADED).is_dir():
+                    self.lazy = _nvme_state(self.ckpt_dir / self.tag)
+                else:
+                    self.lazy = get_fp32_state_dict_from_zero_checkpoint(
+                        str(self.ckpt_dir), tag=self.tag, lazy_mode=True)
             except Exception as e:  # noqa: BLE001 - any failure here is a damaged checkpoint
                 raise self.describe(e) from None
             self.read_bytes = 0
@@ -103,6 +106,35 @@ class Zero3Source(Source):
                     self.read_bytes += take * 4
                     remaining -= take
                     yield piece
+
+
+OFFLOADED = "offloaded_tensors"  # DeepSpeed's copy of the NVMe swap files in a checkpoint
+
+
+def _nvme_state(tag_dir: Path):
+    """DeepSpeed's lazy ZeRO-3 consolidation for a checkpoint written with the optimizer state
+    on NVMe (zero3_nvme): there the optimizer files hold empty fp32 groups for the sub-groups
+    that were swapped out, and their fp32 master weights are the swap files DeepSpeed copied into
+    offloaded_tensors/rankNN/<group id>.tensor.swp (raw fp32, padded to the I/O alignment).
+    Those are mapped in place of the empty groups, their length from the parameter shapes the
+    model file lists per group; then the consolidation is DeepSpeed's own steps
+    (zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint, which reads no swap files)."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    model_states = z.parse_model_states(z.get_model_state_files(str(tag_dir)))
+    stage, world, flat_groups, _ = z.parse_optim_states(z.get_optim_files(str(tag_dir)),
+                                                        str(tag_dir))
+    if stage != 3:
+        raise ValueError(f"{OFFLOADED}/ beside a ZeRO-{stage} checkpoint")
+    shapes = model_states[0].param_shapes
+    for rank, groups in enumerate(flat_groups):
+        for g, flat in enumerate(groups):
+            if flat.numel() or not getattr(flat, "ds_id", None):
+                continue
+            numel = sum(math.ceil(math.prod(shape) / world) for shape in shapes[g].values())
+            path = tag_dir / OFFLOADED / f"rank{rank:02d}" / f"{flat.ds_id}.tensor.swp"
+            groups[g] = torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32)
+    return z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
 
 
 class PipelineSource(Source):

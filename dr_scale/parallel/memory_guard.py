@@ -4,8 +4,8 @@ in one line with the estimate, the limit and the cheapest change that fits, befo
 allocates the model. `--skip_memory_check` for those who know better.
 
 Cheapest first: ZeRO-3 (same machines, more communication), activation checkpointing (about a
-third more compute), optimizer offload to host memory (slower steps), then more ranks (more
-machines).
+third more compute), optimizer offload to host memory (slower steps), optimizer state on NVMe
+(slower still), then more ranks (more machines).
 """
 import os
 from typing import Optional
@@ -55,7 +55,9 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
     if cfg.parallel.activation_checkpointing != "full":
         fixes.append(("parallel.activation_checkpointing=full", dict(checkpointing="full")))
     fixes.append(("optimizer offload to host memory (--ds_config zero3_offload)",
-                  dict(zero_stage=3, offload_optimizer=True)))
+                  dict(zero_stage=3, offload_optimizer="cpu")))
+    fixes.append(("optimizer state on NVMe (--ds_config zero3_nvme)",
+                  dict(zero_stage=3, offload_optimizer="nvme", sub_group_size=2e7)))
     for factor in (2, 4, 8, 16, 32, 64):
         fixes.append((f"{world * factor} ranks with ZeRO-3", dict(zero_stage=3,
                                                                  world=world * factor)))

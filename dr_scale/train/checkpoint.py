@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
 
@@ -196,6 +197,7 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
                            f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
     if load_path is None:
         raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
+    nvme_offload.restore_optimizer_state(engine, load_dir, tag)
     return state, path
 
 

@@ -1,0 +1,125 @@
+"""ZeRO-Infinity's NVMe offload (`ds_configs/zero3_nvme.json`): where its swap files go and what
+it needs from the system, checked before any rank builds the model.
+
+DeepSpeed swaps optimizer state (and, if asked, parameters) through its async_io op, which it
+compiles on first use against libaio; without libaio's headers and library the engine fails deep
+inside initialisation. So the launcher asks DeepSpeed's own builder first (it compiles and links
+a two-line program against libaio: ~0.1 s) and stops in one line naming the package. The op
+itself then builds once per machine (kept in torch's extension cache): measured 3 min 40 s on
+this project's 2-core CPUs, which the start line warns of.
+
+`"nvme_path": "auto"` puts the swap files in the run folder's `offload/`; on a cluster give a
+node-local NVMe mount instead (a shared file system works, slowly). Each rank writes its own
+`zero_stage_3/<kind>/rank<N>/` there.
+"""
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from dr_scale.errors import DrScaleError
+
+SECTIONS = ("offload_optimizer", "offload_param")
+PACKAGE_HINT = ("libaio (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Rocky: dnf install "
+                "libaio-devel; elsewhere set CFLAGS/LDFLAGS to its headers and library)")
+
+
+def nvme_sections(ds: Dict) -> List[str]:
+    """The offload sections of a DeepSpeed JSON that put their tensors on NVMe."""
+    zero = ds.get("zero_optimization", {}) or {}
+    return [s for s in SECTIONS if ((zero.get(s) or {}).get("device") == "nvme")]
+
+
+def fill_paths(ds: Dict, run_dir: Optional[Path]) -> None:
+    """`"nvme_path": "auto"` -> <run folder>/offload (in place). Before the run folder is chosen
+    (the config check) the placeholder only has to stop being "auto"."""
+    for section in nvme_sections(ds):
+        conf = ds["zero_optimization"][section]
+        if conf.get("nvme_path", "auto") == "auto":
+            conf["nvme_path"] = str(Path(run_dir or "<run folder>") / "offload")
+
+
+def check_system(ds: Dict, source: str) -> None:
+    """One line when DeepSpeed cannot build its async_io op here (before the process group)."""
+    sections = nvme_sections(ds)
+    if not sections:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None or not builder.is_compatible(verbose=False):
+        where = ", ".join(f"zero_optimization.{s}.device=nvme" for s in sections)
+        raise DrScaleError(f"{source}: {where} needs DeepSpeed's async_io op, which cannot be "
+                           f"built here: it needs {PACKAGE_HINT}; or use --ds_config "
+                           "zero3_offload (host memory)")
+
+
+def prepare_dirs(ds: Dict, source: str) -> Optional[str]:
+    """Make each nvme_path and check it takes a file; a note for the start line, or None."""
+    sections = nvme_sections(ds)
+    if not sections:
+        return None
+    paths = sorted({ds["zero_optimization"][s]["nvme_path"] for s in sections})
+    for p in paths:
+        probe = Path(p) / f".write_test.{os.getpid()}"  # each rank its own: they share the folder
+        try:
+            Path(p).mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"\0" * 4096)
+            probe.unlink()
+        except OSError as e:
+            raise DrScaleError(f"{source}: zero_optimization.*.nvme_path={p}: cannot write there "
+                               f"({e.strerror}); give a writable local NVMe folder") from None
+    what = " and ".join({"offload_optimizer": "optimizer state",
+                         "offload_param": "parameters"}[s] for s in sections)
+    return (f"{what} on NVMe in {', '.join(paths)} (DeepSpeed builds its async_io op on first "
+            "use: minutes, once per machine)")
+
+
+def restore_optimizer_state(engine, load_dir, tag: str) -> None:
+    """Give Adam back its step counts and moments after DeepSpeed loads an NVMe-offloaded
+    checkpoint. DeepSpeed 0.19.8 copies the checkpoint's swap files (fp32 master weights and
+    moments) back into the swap folder but skips the optimizer's state dict, so the optimizer
+    holds no state: at the next step CPU Adam starts again at step 1 with zero moments, the
+    swapped moments are never read, the sub-groups kept in memory lose theirs and their fp32
+    master weights (the norms' went back to their initial values), and the param groups keep
+    the first step's learning rate for the step after the resume (measured: a resume at step 3
+    of 6 matched the uninterrupted run at step 4, not at 5 and 6).
+
+    Here the param groups' settings and each sub-group's state are set from this rank's saved
+    state dict, read memory-mapped: an in-memory sub-group takes its saved state and fp32
+    weights (and their 16-bit copy, as DeepSpeed's own load does); a swapped one takes its step
+    and two placeholders of its size whose pages are never touched (no memory), which the
+    swapper registers by name at the next swap-in and fills from the restored files."""
+    import torch
+
+    opt = engine.optimizer
+    if not getattr(opt, "swap_optimizer", False):
+        return
+    path = engine._get_zero_ckpt_name(str(load_dir), tag)
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    fp32_groups = saved["optimizer_state_dict"]["fp32_flat_groups"]
+    saved = saved["optimizer_state_dict"]["optimizer_state_dict"]
+    states = saved["state"]
+    for group, saved_group in zip(opt.optimizer.param_groups, saved["param_groups"]):
+        # lr as the step to come uses it: the schedule sets it only after that step
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    # the state dict numbers the sub-groups as DeepSpeed lists them in its param groups: by
+    # group, then sub-group (DeepSpeedZeroOptimizer_Stage3._set_fp32_optimizer_param_groups)
+    order = sorted(range(len(opt.fp32_partitioned_groups_flat)),
+                   key=lambda sg: (opt.sub_group_to_group_id[sg], sg))
+    for index, sub_group in enumerate(order):
+        param, state = opt.fp32_partitioned_groups_flat[sub_group], states.get(index, {})
+        if opt._swappable_optimizer_subgroup(sub_group):  # swapped out: the parameter is empty
+            numel = int(opt.fp16_partitioned_groups_flat_numel[sub_group])
+            opt.optimizer.state[param] = {
+                key: (torch.empty(numel, dtype=value.dtype) if torch.is_tensor(value) else value)
+                for key, value in state.items()}
+            continue
+        # kept in memory: its state, and its fp32 master weights with their 16-bit copy
+        opt.optimizer.state[param] = {key: (value.clone() if torch.is_tensor(value) else value)
+                                      for key, value in state.items()}
+        param.data.copy_(fp32_groups[sub_group])
+        low = opt.fp16_partitioned_groups_flat[sub_group]
+        parts = opt.fp16_partitioned_groups[sub_group]
+        low.data.copy_(param.data)
+        for part, value in zip(parts, opt.unflatten(low, parts)):
+            part.data = value.data
