@@ -123,3 +123,15 @@ def restore_optimizer_state(engine, load_dir, tag: str) -> None:
         low.data.copy_(param.data)
         for part, value in zip(parts, opt.unflatten(low, parts)):
             part.data = value.data
+
+
+def saved_swap_files(engine, tag_dir: Path) -> List[Path]:
+    """The swap files DeepSpeed copied into this rank's part of a checkpoint it just saved
+    (`offloaded_tensors/rankNN/`, named as DeepSpeed's save_checkpoint names it). It copies them
+    itself, not through the checkpoint engine, so the checkpoint writer adds them to the files
+    this rank fsyncs before the checkpoint is published."""
+    if not getattr(getattr(engine, "optimizer", None), "swap_optimizer", False):
+        return []
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    folder = Path(tag_dir) / "offloaded_tensors" / f"rank{rank:02d}"
+    return sorted(p for p in folder.rglob("*") if p.is_file())

@@ -36,7 +36,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale import comm, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
                                        fsync_file, tag_for, write_atomic)
@@ -100,20 +100,21 @@ class CheckpointWriter:
                                         save_latest=False)
         finally:
             writes = self.ledger.take()
+        copied = nvme_offload.saved_swap_files(self.engine, staging / tag)  # zero3_nvme's
         # Ours is written now, in either mode: it is small, and the callbacks' state in it
         # (EMA weights) changes after every step, not only at the optimizer's.
         state_path = staging / tag / STATE_FILE.format(rank=rank)
         failure = _written(lambda: torch.save(state, state_path), state_path)
         if not self.asynchronous:
             failure = failure or self._write(writes)
-            path = self.publish(tag, [Path(p) for _, p in writes] + [state_path],
+            path = self.publish(tag, [Path(p) for _, p in writes] + [state_path] + copied,
                                 failure=failure)
             return step, path, time.perf_counter() - t0
         self._writes_done.clear()
         self._error = None
         self._pending = (step, self.ckpt_dir / tag)
         self._thread = threading.Thread(target=self._write_and_commit,
-                                        args=(tag, writes, state_path, failure),
+                                        args=(tag, writes, [state_path, *copied], failure),
                                         name=f"dr_scale checkpoint {tag}", daemon=True)
         self._thread.start()
         self._blocked_s = time.perf_counter() - t0
@@ -172,12 +173,12 @@ class CheckpointWriter:
                 return failure
         return None
 
-    def _write_and_commit(self, tag: str, writes: list, state_path: Path,
+    def _write_and_commit(self, tag: str, writes: list, written: List[Path],
                           failure: Optional[str]):
         try:
             try:
                 failure = failure or self._write(writes)
-                paths = [Path(p) for _, p in writes] + [state_path]
+                paths = [Path(p) for _, p in writes] + written
                 del writes  # the references to the live tensors
             finally:
                 self._writes_done.set()
@@ -194,6 +195,8 @@ class CheckpointWriter:
         try:
             for f in [] if failure else files:
                 fsync_file(f)
+            for d in [] if failure else sorted({f.parent for f in files}):
+                fsync_dir(d)  # their names too (zero3_nvme's swap files have a folder a rank)
         except OSError as e:
             ok.zero_()
             failed = f"{e.filename}: {e.strerror}"
