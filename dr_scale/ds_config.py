@@ -149,7 +149,7 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
     for key, value in tuned.items():
         if zero.get(key) == "auto":
             zero[key] = value
-    for section in ("offload_optimizer", "offload_param"):
+    for section in nvme_offload.SECTIONS:
         if (zero.get(section) or {}).get("pin_memory") == "auto":
             zero[section]["pin_memory"] = device_type == "cuda"
     nvme_offload.fill_paths(ds, run_dir)

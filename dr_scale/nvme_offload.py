@@ -19,6 +19,12 @@ from typing import Dict, List, Optional
 from dr_scale.errors import DrScaleError
 
 SECTIONS = ("offload_optimizer", "offload_param")
+SAVED = "offloaded_tensors"  # DeepSpeed's copy of the swap files inside a checkpoint
+
+
+def saved_swap_dir(tag_dir: Path, rank: int) -> Path:
+    """Where DeepSpeed's save_checkpoint copies `rank`'s swap files in a checkpoint."""
+    return Path(tag_dir) / SAVED / f"rank{rank:02d}"
 PACKAGE_HINT = ("libaio (Debian/Ubuntu: apt-get install libaio-dev; RHEL/Rocky: dnf install "
                 "libaio-devel; elsewhere set CFLAGS/LDFLAGS to its headers and library)")
 
@@ -133,5 +139,4 @@ def saved_swap_files(engine, tag_dir: Path) -> List[Path]:
     if not getattr(getattr(engine, "optimizer", None), "swap_optimizer", False):
         return []
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
-    folder = Path(tag_dir) / "offloaded_tensors" / f"rank{rank:02d}"
-    return sorted(p for p in folder.rglob("*") if p.is_file())
+    return sorted(p for p in saved_swap_dir(tag_dir, rank).rglob("*") if p.is_file())

@@ -23,6 +23,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
+from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 
 PIECE = 1 << 24           # elements per piece: 64 MiB in fp32
@@ -76,7 +77,7 @@ class Zero3Source(Source):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             try:
-                if (self.ckpt_dir / self.tag / OFFLOADED).is_dir():
+                if (self.ckpt_dir / self.tag / nvme_offload.SAVED).is_dir():
                     self.lazy = _nvme_state(self.ckpt_dir / self.tag)
                 else:
                     self.lazy = get_fp32_state_dict_from_zero_checkpoint(
@@ -108,9 +109,6 @@ class Zero3Source(Source):
                     yield piece
 
 
-OFFLOADED = "offloaded_tensors"  # DeepSpeed's copy of the NVMe swap files in a checkpoint
-
-
 def _nvme_state(tag_dir: Path):
     """DeepSpeed's lazy ZeRO-3 consolidation for a checkpoint written with the optimizer state
     on NVMe (zero3_nvme): there the optimizer files hold empty fp32 groups for the sub-groups
@@ -125,14 +123,14 @@ def _nvme_state(tag_dir: Path):
     stage, world, flat_groups, _ = z.parse_optim_states(z.get_optim_files(str(tag_dir)),
                                                         str(tag_dir))
     if stage != 3:
-        raise ValueError(f"{OFFLOADED}/ beside a ZeRO-{stage} checkpoint")
+        raise ValueError(f"{nvme_offload.SAVED}/ beside a ZeRO-{stage} checkpoint")
     shapes = model_states[0].param_shapes
     for rank, groups in enumerate(flat_groups):
         for g, flat in enumerate(groups):
             if flat.numel() or not getattr(flat, "ds_id", None):
                 continue
             numel = sum(math.ceil(math.prod(shape) / world) for shape in shapes[g].values())
-            path = tag_dir / OFFLOADED / f"rank{rank:02d}" / f"{flat.ds_id}.tensor.swp"
+            path = nvme_offload.saved_swap_dir(tag_dir, rank) / f"{flat.ds_id}.tensor.swp"
             groups[g] = torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32)
     return z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, model_states, False)
 

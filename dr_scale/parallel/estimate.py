@@ -123,7 +123,7 @@ def loss_bytes(shape, tokens: int, lp: int, fused: bool, slices: int = 1) -> flo
     return tokens * v * (lp + 4 + 4) / slices
 
 
-def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer, world: int,
+def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, world: int,
              tp: int = 1, pp: int = 1, vocab_parallel: bool = False, micro_batch: int,
              seq_length: int,
              checkpointing: str = "none", checkpoint_every: int = 1,
@@ -131,8 +131,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer, world
              prefetch_bucket: float = 5e7, contiguous_gradients: bool = True,
              max_live_parameters: float = 1e9, sub_group_size: float = 1e9,
              swap_buffers: int = 4) -> MemoryEstimate:
-    """`offload_optimizer`: "none", "cpu" or "nvme" (True means "cpu")."""
-    offload_optimizer = {True: "cpu", False: "none"}.get(offload_optimizer, offload_optimizer)
+    """`offload_optimizer`: "none", "cpu" or "nvme" (zero_optimization.offload_optimizer.device)."""
     if world % (tp * pp):
         raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
     dp = world // (tp * pp)
