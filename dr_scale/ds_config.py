@@ -206,6 +206,13 @@ def precision(ds: Dict[str, Any]) -> str:
     return "fp32"
 
 
+def torch_dtype(precision_name: str):
+    """The torch dtype of a precision name (bf16, fp16 or fp32)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name, torch.float32)
+
+
 def reduction_dtype(ds: Dict[str, Any]) -> str:
     """The dtype DeepSpeed reduces gradients in, and why (its rule: communication_data_type if
     set, else the training precision)."""

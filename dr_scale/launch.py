@@ -91,12 +91,13 @@ def run(args):
     shape, kernels_line = select_kernels(shape, cfg.model, device.type, precision,
                                          cfg.data.reset_positions)
     torch.manual_seed(cfg.train.seed)
-    model = build_for_run(shape, ds, topo)  # sharded as it is built under ZeRO-3
-    if init_state is not None and not args.resume:  # on resume the checkpoint's weights win
-        load_into(model, init_state, cfg.model.init_from)
-    del init_state
+    model = build_for_run(shape, ds, topo)  # ZeRO-3: sharded as built; TP or PP: on meta
+    initial = None if args.resume else init_state  # on resume the checkpoint's weights win
+    if initial is not None:
+        load_into(model, initial, cfg.model.init_from)  # on meta: checked only
     facts = run_facts(model, shape, cfg, precision, device, layout, topo)
-    parallel = par.parallelize(model, shape, topo, cfg, ds, ds_path)               # parallelize
+    parallel = par.parallelize(model, shape, topo, cfg, ds, ds_path, initial)      # parallelize
+    del init_state, initial
 
     if topo.rank == 0:
         write_run_snapshot(run_dir, args.resume, cfg, parallel.ds, topo, local_world, device,

@@ -204,7 +204,7 @@ def select_kernels(shape, model_cfg, device_type: str, precision: str,
     """Settle `model.attention` (auto: the best available) and every op's implementation for this
     process; returns the shape with a concrete attention name and the line that says the choices.
     `reset_positions`: positions per token (packed documents), which not every rotary takes."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    dtype = dsc.torch_dtype(precision)
     unknown = sorted(set(model_cfg.kernels) - set(ops.OPS))
     if unknown:
         raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")

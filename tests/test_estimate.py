@@ -72,10 +72,15 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z0["startup_peak"] == pytest.approx(4 * n + 2 * 32000 * 4096, rel=1e-6)
     assert z3["startup_peak"] == pytest.approx(2 * n / 8 + 6 * 32000 * 4096, rel=1e-6)
     assert z3["peak"] == z3["total"] > z3["startup_peak"]
-    assert tp["startup_peak"] >= 4 * n  # AutoTP splits a model built whole
+    # TP and PP build on meta and make real this rank's slices only (bf16), one tensor whole
+    assert tp["startup_peak"] == pytest.approx(tp["parameters"] + 6 * 32000 * 4096, rel=1e-6)
     # 70B fits the meta device and prints; ZeRO-1 would need its whole fp32 model (257 GiB) on
     # every rank before anything is partitioned, ZeRO-3 on 512 ranks one embedding's worth
     z1_70b = estimate("zero1", 512, "model.preset=llama_70b", device="cuda")
     assert z1_70b["startup_peak"] > 256 * 2**30
     z3_70b = estimate("zero3", 512, "model.preset=llama_70b", device="cuda")
+    # TP 8 x PP 4: a rank's slices of its stage in bf16 (about 1/32 of 70.6B), not all of it
+    tp_pp = estimate("zero1", 512, "model.preset=llama_70b", "parallel.tensor_parallel=8",
+                     "parallel.pipeline_parallel=4", device="cuda")
+    assert 4 * 2**30 < tp_pp["startup_peak"] < 8 * 2**30
     assert z3_70b["startup_peak"] < 2 * 2**30 and z3_70b["peak"] == z3_70b["total"]

@@ -1,7 +1,9 @@
-"""Sharded construction under ZeRO-3: on 2 gloo ranks, each holds half of every parameter as
+"""Sharded construction. Under ZeRO-3: on 2 gloo ranks, each holds half of every parameter as
 it is built, and the gathered values equal an unsharded build's from the same seed (so the
 initialisation keeps its distribution exactly), fp32 and bf16, with and without biases; and a
-Hugging Face folder loaded into it (model.init_from) gives each rank the file's values."""
+Hugging Face folder loaded into it (model.init_from) gives each rank the file's values. Under
+tensor and pipeline parallelism: built on meta, each rank makes real only its slices or its
+stage, equal to DeepSpeed's split of the whole model built from the same seed."""
 import json
 import math
 
@@ -33,3 +35,31 @@ def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
         assert math.isclose(tiny["model.layers.0.mlp.down_proj.weight"]["std"],
                             0.02 / math.sqrt(2 * 4), rel_tol=0.02)
         assert tiny["model.norm.weight"]["mean"] == 1.0
+
+
+def test_tensor_and_pipeline_parallel_make_real_only_this_ranks_part(tmp_path):
+    out = tmp_path / "result"
+    run_rank_script("sharded_build_tp_pp.py", out)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result.{rank}").read_text())
+        assert sorted(result) == ["gpt2_tiny/tp2", "tiny/pp2", "tiny/tp2"]
+        for case, r in result.items():
+            assert r["built_meta"], case
+            # every parameter this rank keeps is real and equal to DeepSpeed's split of the
+            # whole model from the same seed (so each keeps today's distribution exactly)
+            assert len(r["params"]) > 15, case
+            for name, p in r["params"].items():
+                assert p["equal"] and not p["meta"], (case, name)
+            if case.endswith("tp2"):  # every tensor made, as this rank's slice only
+                assert r["made"] == r["held"] and r["left_on_meta"] == 0, case
+                # the matrices are halved, the norms (and GPT-2's row-parallel biases) whole
+                assert r["total"] / 2 <= r["held"] < 0.55 * r["total"], case
+                assert all(r["loaded"].values()) and len(r["loaded"]) == len(r["params"]), case
+            else:  # this stage made; the other stage's layers stay on meta
+                assert r["held"] + r["left_on_meta"] == r["total"], case
+                assert r["held"] < 0.7 * r["total"] and r["left_on_meta"] > 0.3 * r["total"]
+        tiny = result["tiny/tp2"]["whole_stats"]
+        assert math.isclose(tiny["model.layers.0.self_attn.q_proj.weight"][1], 0.02, rel_tol=0.02)
+        assert math.isclose(tiny["model.layers.0.mlp.down_proj.weight"][1],
+                            0.02 / math.sqrt(2 * 4), rel_tol=0.02)
+        assert tiny["model.norm.weight"] == [1.0, 0.0]

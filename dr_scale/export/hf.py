@@ -119,7 +119,25 @@ def apply_init_from(cfg):
 def load_into(model, weights: HFWeights, source: str):
     """Copy a folder's weights into our model a tensor at a time; a tied head may be absent from
     the files. A model built sharded (ZeRO-3's zero.Init) has each rank read only the elements
-    of its own partition, straight from the file: nothing is gathered or broadcast."""
+    of its own partition, straight from the file: nothing is gathered or broadcast. (A model
+    built on meta under tensor or pipeline parallelism is checked here and filled by
+    parallel/sharded_build.materialize once it is cut to this rank's part.)"""
+    names = check_fits(model, weights, source)
+    if next(model.parameters()).is_meta:
+        return
+    tensors = dict(model.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for k in names:
+            t = tensors[k]
+            if hasattr(t, "ds_id"):
+                _load_partition(t, weights, k)
+            else:
+                t.data.copy_(weights.read(k))
+
+
+def check_fits(model, weights: HFWeights, source: str) -> list:
+    """The folder's tensor names, once each is known to fit the model (a one-line refusal
+    naming the first that does not)."""
     own = {k: tuple(getattr(t, "ds_shape", t.shape))  # a sharded parameter's whole shape
            for k, t in model.state_dict(keep_vars=True).items()}
     theirs = dict(weights.shapes)
@@ -135,14 +153,7 @@ def load_into(model, weights: HFWeights, source: str):
     for k, shape in theirs.items():
         if own[k] != shape:
             raise DrScaleError(f"{source}: {k} has shape {shape}, the model expects {own[k]}")
-    tensors = dict(model.state_dict(keep_vars=True))
-    with torch.no_grad():
-        for k in theirs:
-            t = tensors[k]
-            if hasattr(t, "ds_id"):
-                _load_partition(t, weights, k)
-            else:
-                t.data.copy_(weights.read(k))
+    return list(theirs)
 
 
 def _load_partition(param, weights: HFWeights, name: str):

@@ -1,5 +1,6 @@
 """Building blocks shared by the decoders: norms, rotary tables, attention block, MLPs."""
 import contextlib
+import hashlib
 import math
 
 import torch
@@ -32,9 +33,19 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_seq: int, theta: float, scaling=None):
         """`scaling`: a models.rope_scaling.RopeScaling, or None."""
         super().__init__()
-        cos, sin = reference.rotary_tables(max_seq, head_dim, theta, scale_frequencies=scaling)
+        self.table_args = (max_seq, head_dim, theta, scaling)
+        cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self):
+        max_seq, head_dim, theta, scaling = self.table_args
+        return reference.rotary_tables(max_seq, head_dim, theta, scale_frequencies=scaling)
+
+    def init_buffers(self):
+        """The tables computed on the CPU, for a model built on the meta device."""
+        with torch.device("cpu"):
+            self.cos, self.sin = self._tables()
 
     def forward(self, seq_len: int, position_ids=None):
         """Tables for positions 0..seq_len-1, (seq, head_dim); or, with `position_ids` (batch,
@@ -123,22 +134,56 @@ def causal_lm_loss(logits, shift_labels, **_):
 RESIDUAL_OUTPUTS = ("o_proj", "down_proj", "fc_out")
 
 
-def init_weights(model: nn.Module, std: float, num_layers: int):
-    """Normal(0, std) for every matrix and embedding, std/sqrt(2L) for residual outputs, zero
-    biases, unit norm weights. Under ZeRO-3's sharded construction each tensor is gathered
-    whole for its draw, one at a time (`whole`): the same values as an unsharded build."""
+def initial_rules(model: nn.Module, std: float, num_layers: int) -> dict:
+    """Each parameter's initial value by name: ("normal", std) for every matrix and embedding,
+    std/sqrt(2L) for residual outputs, ("zeros",) for biases, ("ones",) for norm weights. A
+    tied weight is named once, by its first owner (as named_parameters names it)."""
     out_std = std / math.sqrt(2 * num_layers)
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            s = out_std if name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else std
-            with whole(module.weight):
-                nn.init.normal_(module.weight, 0.0, s)
-            if module.bias is not None:
-                with whole(module.bias):
-                    nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            with whole(module.weight):
-                nn.init.normal_(module.weight, 0.0, std)
+    rules, seen = {}, set()
+    for module_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                name = f"{module_name}.{attr}" if module_name else attr
+                rules[name] = _rule(module_name, module, attr, std, out_std)
+    return rules
+
+
+def _rule(module_name: str, module: nn.Module, attr: str, std: float, out_std: float):
+    if attr == "bias":
+        return ("zeros",)
+    if isinstance(module, (RMSNorm, nn.LayerNorm)):
+        return ("ones",)
+    if isinstance(module, nn.Linear):
+        return ("normal", out_std if module_name.rsplit(".", 1)[-1] in RESIDUAL_OUTPUTS else std)
+    if isinstance(module, nn.Embedding):
+        return ("normal", std)
+    raise TypeError(f"no initial value for {module_name}.{attr} ({type(module).__name__})")
+
+
+def initial_value(rule: tuple, shape, name: str) -> torch.Tensor:
+    """The parameter `name`'s initial value, whole, in fp32 on the CPU. Its random draws come
+    from a generator of its own, seeded by the global seed (torch.manual_seed) and its name:
+    a rank that builds only some tensors, or slices of them (tensor- and pipeline-parallel
+    builds, parallel/sharded_build.py), gets the values an unsharded build gets, and so does a
+    build on another device."""
+    if rule[0] == "zeros":
+        return torch.zeros(shape)
+    if rule[0] == "ones":
+        return torch.ones(shape)
+    digest = hashlib.blake2b(f"{torch.initial_seed()}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.empty(shape).normal_(0.0, rule[1], generator=generator)
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float, num_layers: int):
+    """Every parameter set to its initial value (initial_rules, initial_value). Under ZeRO-3's
+    sharded construction each tensor is gathered whole for it, one at a time (`whole`)."""
+    for name, rule in initial_rules(model, std, num_layers).items():
+        param = model.get_parameter(name)
+        with whole(param):
+            param.data.copy_(initial_value(rule, param.shape, name))
 
 
 def whole(param: nn.Parameter):

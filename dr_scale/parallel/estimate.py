@@ -24,10 +24,12 @@ What is counted, per rank, for AdamW under DeepSpeed:
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
   allocator's reserve is not counted.
 
-`total` is the steady state of training. Building the model comes first: under ZeRO-3 without
-tensor or pipeline parallelism it is built sharded (parallel/sharded_build.py), and a rank holds
-at most one tensor whole, in fp32 and in the training precision, while it is cast and
-partitioned; elsewhere every rank builds the whole model in fp32 first. `startup_peak` is that
+`total` is the steady state of training. Building the model comes first (parallel/
+sharded_build.py): under ZeRO-3 without tensor or pipeline parallelism it is built sharded, and a
+rank holds at most one tensor whole, in fp32 and in the training precision, while it is cast and
+partitioned; under tensor or pipeline parallelism a rank makes real only its slices of its stage
+(in the training precision), one tensor whole in fp32 at a time while it is cut; elsewhere every rank builds the whole model
+in fp32 first. `startup_peak` is that
 moment (runtime included), `peak` the larger of the two: what the rank needs.
 """
 import functools
@@ -184,6 +186,9 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     total = parameters + gradients + optimizer + activations + buffers + runtime
     if zero_stage == 3 and tp == 1 and pp == 1:  # built sharded: one tensor whole at a time
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
+    elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
+        #                     training precision, one tensor whole in fp32 while it is cut
+        startup = runtime + n * lp + largest_tensor(shape) * (4 + lp)
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,

@@ -2,15 +2,18 @@
 with the refusals beside them.
 
     1. refusals           what DeepSpeed or our wrappers cannot combine (one line each)
-    2. tensor parallel    without a pipeline: the AutoTP section of the DeepSpeed config (AutoTP
-                          splits the linears inside deepspeed.initialize) and its (data, tensor)
-                          mesh, also used by partitioned activation checkpointing
+    2. tensor parallel    without a pipeline: the linears split by AutoTP over DeepSpeed's
+                          (data, tensor) mesh (also used by partitioned activation
+                          checkpointing), and the AutoTP section of the DeepSpeed config
     3. checkpointing      activation checkpointing of decoder blocks or their attention
     4. compile            torch.compile of each decoder block
     5. pipeline           the model cut into DeepSpeed pipeline stages; under TP each stage's
-                          linears split over the pipeline grid's tensor group
-    6. sequence parallel  after deepspeed.initialize (AutoTP's layers exist only then):
-                          `Parallelized.after_engine`
+                          linears split over the pipeline grid's tensor group; without one,
+                          what this rank keeps of a model built on meta made real
+    6. sequence parallel  after deepspeed.initialize: `Parallelized.after_engine`
+
+Under tensor or pipeline parallelism the model arrives here on the meta device, and only what
+this rank keeps of it is made real (parallel/sharded_build.materialize).
 """
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,7 +25,8 @@ from dr_scale import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel import checkpointing, sequence
 from dr_scale.parallel.pipeline import to_pipeline
-from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_pipeline_stages
+from dr_scale.parallel.sharded_build import materialize
+from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_model
 from dr_scale.parallel.topology import Topology
 
 
@@ -57,13 +61,17 @@ def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
         checkpointing.check_compile(zero, p.activation_checkpointing)
 
 
-def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path) -> Parallelized:
+def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path,
+                weights=None) -> Parallelized:
+    """`weights`: the init_from folder's (HFWeights) for a model built on meta, or None."""
     p = cfg.parallel
+    dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
     check(shape, topo, cfg, ds, ds_path)                                              # 1
     mpu = None
     if topo.tensor > 1 and topo.pipeline == 1:                                       # 2
         ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
         groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
+        shard_model(model, shape, topo.tensor, p.vocab_parallel)
         mpu = groups  # DeepSpeed's batch check then counts data-parallel ranks only
     checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu,  # 3
                         source=str(ds_path))
@@ -72,7 +80,8 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path)
     if topo.pipeline > 1:                                                              # 5
         model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor,
                             document_mask=cfg.data.document_mask,
-                            reset_positions=cfg.data.reset_positions)
-        if topo.tensor > 1:
-            shard_pipeline_stages(model, shape, topo.tensor)
+                            reset_positions=cfg.data.reset_positions, weights=weights,
+                            dtype=dtype)
+    else:  # (a pipeline makes its layers real as it builds them)
+        materialize(model, weights, dtype)
     return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

@@ -1,7 +1,11 @@
-"""Pipeline parallelism: a built Llama-style model cut into a DeepSpeed PipelineModule.
+"""Pipeline parallelism: a Llama-style model built on the meta device cut into a DeepSpeed
+PipelineModule, each rank making real only its own stage's layers.
 
-The stages reuse the built model's modules and parameters, so a pipelined run starts from the
-same weights as an unpipelined one with the same seed. Layers: the token embedding, one entry per
+The stages reuse the built model's modules and parameters: each layer of this rank's stage is
+split into its tensor-parallel slices (AutoTP, over the pipeline grid's tensor group) and then
+given its values (parallel/sharded_build.materialize) as DeepSpeed builds it; the other stages'
+layers stay on meta. A pipelined run starts from the same weights as an unpipelined one with the
+same seed. Layers: the token embedding, one entry per
 decoder block, the final norm, the LM head (tied to the embedding through DeepSpeed's
 TiedLayerSpec when the model ties them, so the two stages holding it sum their gradients).
 Partitioned by parameter count; DeepSpeed's pipeline engine runs the 1F1B schedule over the
@@ -11,11 +15,15 @@ Parameter names inside a PipelineModule are its layer indices, not the model's: 
 pipelined run to Hugging Face format is not supported yet.
 """
 import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.build import spec_of
 from dr_scale.kernels import ops
+from dr_scale.models.build import spec_of
+from dr_scale.parallel.sharded_build import materialize
+from dr_scale.parallel.tensor import shard_pipeline_layer
 
 
 class EmbeddingStage(nn.Module):
@@ -64,13 +72,12 @@ def pipeline_loss(logits, labels):
 
 
 def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
-                checkpoint_every=0, document_mask=False, reset_positions=False):
-    """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM); with
-    tensor_parallel > 1 its grid holds the tensor groups (parallel.tensor.shard_pipeline_stages
-    then splits each stage's linears)."""
-    from deepspeed.pipe import PipelineModule, TiedLayerSpec
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
+                checkpoint_every=0, document_mask=False, reset_positions=False, weights=None,
+                dtype=None):
+    """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM, on meta or
+    real); with tensor_parallel > 1 its grid holds the tensor groups, and each stage's linears
+    are split across its group. `weights`: an init_from folder's (HFWeights), or None; `dtype`:
+    the training precision the layers are made real in."""
     if not spec_of(shape.arch).pipeline:
         raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for the "
                            f"Llama layout; model.arch {shape.arch} does not have it")
@@ -78,19 +85,74 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor
         raise DrScaleError(f"parallel.pipeline_parallel={stages} exceeds model.num_layers="
                            f"{shape.num_layers}: every stage needs a block")
     body = model.model
-    if shape.tie_embeddings:
-        embed = TiedLayerSpec("embed", EmbeddingStage, body.embed_tokens.weight)
-        head = TiedLayerSpec("embed", EmbeddingStage, body.embed_tokens.weight,
-                             forward_fn=tied_head)
-    else:
-        embed, head = EmbeddingStage(body.embed_tokens.weight), model.lm_head
-    last = len(body.layers) - 1
-    layers = [embed, *(BlockStage(b, body.rotary, document_mask, reset_positions, i == last)
-                       for i, b in enumerate(body.layers)), body.norm, head]
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
                                           num_dp=data_parallel)
-    pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topo,
-                          partition_method="parameters",
-                          activation_checkpoint_interval=checkpoint_every)
+    ready = _preparer(shape, topo, tensor_parallel, weights, dtype)
+    if shape.tie_embeddings:
+        embedding = EmbeddingStage(body.embed_tokens.weight)
+        embed = _BuiltTiedLayer("embed", embedding, ready)
+        head = _BuiltTiedLayer("embed", embedding, ready, forward_fn=tied_head)
+    else:
+        embed = _BuiltLayer(EmbeddingStage(body.embed_tokens.weight), ready)
+        head = _BuiltLayer(model.lm_head, ready)
+    last = len(body.layers) - 1
+    layers = [embed, *(_BuiltLayer(BlockStage(b, body.rotary, document_mask, reset_positions,
+                                              i == last), ready)
+                       for i, b in enumerate(body.layers)), _BuiltLayer(body.norm, ready), head]
+    pipe = _PipelineOfBuiltLayers(layers=layers, loss_fn=pipeline_loss, topology=topo,
+                                  partition_method="parameters",
+                                  activation_checkpoint_interval=checkpoint_every)
     pipe.shape = shape  # the trainer and checkpoints read the model's shape from the module
     return pipe
+
+
+def _preparer(shape, topo, tensor_parallel: int, weights, dtype):
+    """What makes a layer of this rank's stage ready: its tensor-parallel slices, then real
+    values (the initial ones, or `weights`'s)."""
+    group = None
+    if tensor_parallel > 1:
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid
+
+        # The PipelineModule makes the same grid again; its tensor groups are needed before,
+        # while its layers are built, and the group is the same set of ranks.
+        group = PipelineParallelGrid(topology=topo).get_slice_parallel_group()
+
+    def ready(layer: nn.Module):
+        if group is not None:
+            shard_pipeline_layer(layer, shape, tensor_parallel, group)
+        materialize(layer, weights, dtype)
+
+    return ready
+
+
+class _BuiltLayer(LayerSpec):
+    """A layer built already (on meta): DeepSpeed builds the layers of this rank's stage only,
+    and building one here makes it ready for this rank instead of constructing it."""
+
+    def __init__(self, module: nn.Module, ready):
+        super().__init__(type(module))
+        self.module, self.ready = module, ready
+
+    def build(self, log=False):
+        self.ready(self.module)
+        return self.module
+
+
+class _BuiltTiedLayer(TiedLayerSpec):
+    """As _BuiltLayer, for the embedding tied to the LM head (its stages sum their gradients)."""
+
+    def __init__(self, key: str, module: nn.Module, ready, forward_fn=None):
+        super().__init__(key, type(module), forward_fn=forward_fn)
+        self.module, self.ready = module, ready
+
+    def build(self, log=False):
+        self.ready(self.module)
+        return self.module
+
+
+class _PipelineOfBuiltLayers(PipelineModule):
+    def _count_layer_params(self):
+        """Balancing stages by parameters, DeepSpeed builds every layer once to count it; these
+        are counted as they are, on meta, without being made real."""
+        return [sum(p.numel() for p in spec.module.parameters() if p.requires_grad)
+                for spec in self._layer_specs]

@@ -1,28 +1,95 @@
 """Building the model so that no rank ever holds all of it.
 
-Under ZeRO-3 (without tensor or pipeline parallelism) the model is constructed inside
-DeepSpeed's `zero.Init`: each submodule's parameters are cast to the training precision and
-partitioned across the data-parallel ranks as soon as that submodule exists, so a rank holds one
-module whole at most while building, then its 1/N shard. Initialisation draws each tensor whole,
-one at a time (models/layers.py `whole`), so the values are those of an unsharded build from the
-same seed. Everywhere else every rank builds the whole model, as DeepSpeed expects there (AutoTP
-splits the built linears; a pipeline keeps its stage's layers of the built model).
+- ZeRO-3 without tensor or pipeline parallelism: the model is constructed inside DeepSpeed's
+  `zero.Init`: each submodule's parameters are cast to the training precision and partitioned
+  across the data-parallel ranks as soon as that submodule exists, so a rank holds one module
+  whole at most while building, then its 1/N shard.
+- Tensor or pipeline parallelism: the model is built on the meta device (nothing allocated),
+  cut into this rank's pipeline stage and split into its tensor-parallel slices there
+  (parallel/parallelize.py), and only then made real by `materialize`: each parameter left on
+  this rank gets its initial value, or the init_from folder's, made whole one tensor at a time
+  and cut to this rank's slice. A rank holds its own slices of its own stage, plus one whole
+  tensor while it is cut.
+- Otherwise every rank builds the whole model (it keeps all of it anyway).
+
+Every way gives each parameter the same values from the same seed: each tensor draws from a
+generator of its own (models/layers.py initial_value).
 """
+import torch
 from torch import nn
 
 from dr_scale import ds_config as dsc
 from dr_scale.models import build_model
+from dr_scale.models.layers import initial_rules, initial_value
 from dr_scale.parallel.topology import Topology
+
+ORIGIN = "dr_origin"  # attribute of a parameter built on meta: (name, whole shape, initial rule)
 
 
 def builds_sharded(ds: dict, topo: Topology) -> bool:
-    return dsc.zero_stage(ds) == 3 and topo.tensor == 1 and topo.pipeline == 1
+    return dsc.zero_stage(ds) == 3 and not builds_on_meta(topo)
+
+
+def builds_on_meta(topo: Topology) -> bool:
+    return topo.tensor > 1 or topo.pipeline > 1
 
 
 def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
+    if builds_on_meta(topo):
+        model = build_model(shape, device="meta")
+        for name, rule in initial_rules(model, shape.init_std, shape.num_layers).items():
+            param = model.get_parameter(name)
+            setattr(param, ORIGIN, (name, tuple(param.shape), rule))
+        return model
     if not builds_sharded(ds, topo):
         return build_model(shape)
     import deepspeed
 
     with deepspeed.zero.Init(config_dict_or_path=ds):
         return build_model(shape)
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, weights=None, dtype=None) -> int:
+    """Make every parameter and buffer of `module` (this rank's stage and slices of a model built
+    on meta) real on the CPU: its initial value, or `weights`'s (an export.safetensors_folder
+    .HFWeights, by the model's parameter names), this rank's slice of it, in `dtype` (the
+    training precision: DeepSpeed would cast it so, and the fp32 copy is never held). Returns
+    the number of elements made."""
+    made = 0
+    for owner in module.modules():
+        for param in owner.parameters(recurse=False):
+            if not param.is_meta:  # a tied weight, made through its other owner
+                continue
+            name, whole_shape, rule = getattr(param, ORIGIN)
+            whole = initial_value(rule, whole_shape, name) if weights is None \
+                else weights.read(name)
+            part = torch.empty(param.shape, dtype=dtype or param.dtype)
+            part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
+            made += part.numel()
+            # A meta parameter cannot take CPU data (set_data refuses the device change), so
+            # the parameter object itself is swapped: every module sharing it (tied weights,
+            # pipeline stages) and DeepSpeed's attributes on it stay. Gradient hooks on it
+            # would not; AutoTP adds them only for plans asking grad_allreduce, ours do not.
+            if getattr(param, "_ds_grad_allreduce_registered", False):
+                raise RuntimeError(f"{name}: a gradient hook on a meta parameter would be lost")
+            real = nn.Parameter(part, requires_grad=param.requires_grad)
+            real.__dict__.update(param.__dict__)
+            torch.utils.swap_tensors(param, real)
+        if any(b.is_meta for b in owner.buffers(recurse=False)):
+            owner.init_buffers()  # computed tables (the rotary ones), not parameters
+    return made
+
+
+def _this_ranks_slice(owner: nn.Module, whole: torch.Tensor, shape: tuple, name: str):
+    """The part of `whole` that AutoTP's layer `owner` keeps on this rank: one dimension split
+    by the layer's partition sizes, this rank's piece (its tp_index)."""
+    if tuple(whole.shape) == shape:
+        return whole
+    split = [d for d, (a, b) in enumerate(zip(whole.shape, shape)) if a != b]
+    if len(split) != 1 or not hasattr(owner, "tp_index"):
+        raise RuntimeError(f"{name}: cannot tell this rank's part of {tuple(whole.shape)} "
+                           f"as {shape} ({type(owner).__name__})")
+    sizes = getattr(owner, "_partition_sizes", None) or \
+        [whole.shape[split[0]] // owner.tp_world_size] * owner.tp_world_size
+    return whole.split(list(sizes), dim=split[0])[owner.tp_index]

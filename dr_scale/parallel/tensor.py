@@ -10,10 +10,11 @@ tied to it shares that slice, and the loss is DeepSpeed's vocabulary-parallel cr
 An untied input embedding and the norms stay replicated. The model itself is untouched:
 attention infers its local head count from the projection's output width.
 
-Under pipeline parallelism DeepSpeed's engine cannot apply AutoTP (it builds its tensor groups
-as a (data, tensor) mesh of the whole world), so `shard_pipeline_stages` applies DeepSpeed's
-own AutoTP, with the same plan, to the layers of this rank's stage over the pipeline grid's
-tensor group.
+AutoTP is applied here, before deepspeed.initialize, to a model built on the meta device, so
+that a rank only ever makes its own slices real (parallel/sharded_build.py). Under pipeline
+parallelism the engine could not apply it anyway (it builds its tensor groups as a (data, tensor)
+mesh of the whole world): `shard_pipeline_layer` splits each layer of this rank's stage over the
+pipeline grid's tensor group as the stage is built.
 
 Why AutoTP rather than megatron-core's tensor_parallel layers: both give the dense block's
 outputs and gradients (max error 2.2e-07 in fp32), and benchmarks/tp_backends.py, a Llama MLP
@@ -51,23 +52,57 @@ def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
     return section
 
 
-def shard_pipeline_stages(pipe, shape, tp: int):
-    """Partition the linears of this rank's pipeline stage by the model's plan, over the tensor
-    group of the pipeline grid (the ranks of one stage and one data-parallel replica)."""
+def shard_model(model, shape, tp: int, vocab_parallel: bool):
+    """Partition the model's linears by its plan over DeepSpeed's tensor group (its (data,
+    tensor) mesh, made by parallelize) before deepspeed.initialize, as the engine would inside
+    it: on a model built on the meta device only this rank's slices are ever made real
+    (parallel/sharded_build.py). The engine then finds the model partitioned (DeepSpeed's
+    `ds_autotp_parsed` mark) and keeps the rest of its tensor-parallel setup."""
+    from deepspeed.module_inject.layers import (VocabParallelLinear,
+                                                collect_autotp_universal_checkpoint_info)
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    from deepspeed.sequence.cross_entropy import configure_vocab_parallel_loss
+    from deepspeed.utils import groups
+
+    _autotp(model, autotp_section(shape, tp, vocab_parallel), tp,
+            groups.get_tensor_model_parallel_group())
+    heads = [m for m in model.modules() if isinstance(m, VocabParallelLinear)]
+    if vocab_parallel:
+        if len(heads) != 1:  # the plan names one head; DeepSpeed's loss needs exactly one
+            raise RuntimeError(f"vocab_parallel: {len(heads)} vocabulary-parallel heads")
+        configure_vocab_parallel_loss(model, heads[0], backend="torch")
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(model))
+    model.ds_autotp_parsed = True
+
+
+def shard_pipeline_layer(layer, shape, tp: int, group):
+    """Partition the linears of one layer of this rank's pipeline stage by the model's plan,
+    over the tensor group of the pipeline grid (the ranks of one stage and one data-parallel
+    replica)."""
+    # DeepSpeed's engine cannot apply AutoTP to a pipeline (it would read its global (data,
+    # tensor) mesh, which a pipeline does not use), so this is the only place it happens.
+    _autotp(layer, autotp_section(shape, tp), tp, group)
+
+
+def _autotp(module, section: dict, tp: int, group):
+    """DeepSpeed's AutoTP with our plan, in training mode, over `group`."""
     from deepspeed.module_inject.auto_tp import AutoTP
     from deepspeed.module_inject.autotp_config import AutoTPConfig
     from deepspeed.module_inject.layers import set_autotp_mode
     from torch import nn
 
-    plan = AutoTPConfig.from_dict(autotp_section(shape, tp)["partition_config"])
+    plan = AutoTPConfig.from_dict(section["partition_config"])
     plan.tp_size = tp
-    autotp = AutoTP(module=pipe, all_reduce_linears=(), prefix="", state_dict=None,
+    autotp = AutoTP(module=module, all_reduce_linears=(), prefix="", state_dict=None,
                     linear_layer_setting=(nn.Linear, nn.Embedding), orig_layer_impl=None,
-                    partition_config=plan, training_mode=True)
+                    partition_config=plan, training_mode=True,
+                    vocab_parallel_lm_head=section.get("vocab_parallel_lm_head", False))
     # Outside training mode AutoTP takes the group it is given; in training mode it would read
-    # DeepSpeed's global (data, tensor) mesh instead, which a pipeline does not use.
-    autotp.set_tensor_parallel_config(tp, pipe.mpu().get_slice_parallel_group())
+    # DeepSpeed's global (data, tensor) mesh instead, which a pipeline does not use (and the
+    # mode is global: the previous layer of a stage left it on).
+    set_autotp_mode(training=False)
+    autotp.set_tensor_parallel_config(tp, group)
     set_autotp_mode(training=True)
     autotp.update_linear_policies()
-    autotp._replace_module(pipe)
-    autotp.register_replicated_grad_hooks(pipe)
+    autotp._replace_module(module)
+    autotp.register_replicated_grad_hooks(module)
