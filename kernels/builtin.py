@@ -1,12 +1,13 @@
 """Registration of every implementation shipped here, per op, best first:
 fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > torch (reference.py,
-or a torch form of it that keeps the input dtype where the policy allows).
+or a torch form of it that keeps the input dtype where the policy allows; RMSNorm and SwiGLU from
+lean_torch.py, the same forward keeping only its inputs for backward).
 """
 import torch
 import torch.nn.functional as F
 
 from dr_scale.kernels import policy as P
-from dr_scale.kernels import reference
+from dr_scale.kernels import lean_torch, reference
 from dr_scale.kernels.registry import APEX, CUDA, TORCH, TRITON, register_kernel
 
 ANY = ("cpu", "cuda")
@@ -118,7 +119,7 @@ def rms_norm_apex(x, weight, eps):
     return fused_rms_norm_affine(x, weight, weight.shape, eps)
 
 
-register_kernel("rms_norm", "torch", priority=TORCH, devices=ANY, policy=P.NORM)(reference.rms_norm)
+register_kernel("rms_norm", "torch", priority=TORCH, devices=ANY, policy=P.NORM)(lean_torch.rms_norm)
 
 
 @register_kernel("layer_norm", "cuda_fused", priority=CUDA, devices=("cuda",), policy=P.NORM,
@@ -151,7 +152,7 @@ def swiglu_cuda(gate, up):
 
 
 register_kernel("swiglu", "torch", priority=TORCH, devices=ANY,
-                policy=P.ELEMENTWISE)(reference.swiglu)
+                policy=P.ELEMENTWISE)(lean_torch.swiglu)
 
 
 @register_kernel("bias_gelu", "cuda_fused", priority=CUDA, devices=("cuda",),

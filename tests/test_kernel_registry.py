@@ -80,3 +80,51 @@ def test_torch_implementations_match_the_fp32_reference_under_their_policy(dtype
     tol = P.ELEMENTWISE.tol(dtype)
     torch.testing.assert_close(got.float(), want, atol=tol.atol, rtol=tol.rtol)
     torch.testing.assert_close(dx.float(), dx32, atol=tol.atol, rtol=tol.rtol)
+
+
+def _new_bytes_saved(fn, *inputs):
+    """Bytes autograd keeps for backward beyond the inputs themselves (which the caller holds)."""
+    held = {t.data_ptr() for t in inputs}
+    total = [0]
+
+    def pack(t):
+        if t.data_ptr() not in held:
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*inputs)
+    return out, total[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_rms_norm_and_swiglu_keep_only_their_inputs(dtype):
+    """The registered torch RMSNorm and SwiGLU (kernels/lean_torch.py): the reference's outputs
+    bit for bit and its gradients within the op's policy, while keeping for backward nothing
+    but their inputs and RMSNorm's fp32 statistic per row (the reference keeps an fp32 copy of
+    the input and the fp32 normalized output; silu(gate))."""
+    from dr_scale.kernels import policy as P
+    from dr_scale.kernels.registry import implementation
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 33, 256, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(256)).to(dtype).requires_grad_()
+    got, kept = _new_bytes_saved(lambda a, b: implementation("rms_norm", "torch").fn(a, b, 1e-5), x, w)
+    want, ref_kept = _new_bytes_saved(lambda a, b: reference.rms_norm(a, b, 1e-5), x, w)
+    assert torch.equal(got, want)
+    # the reference: the fp32 normalized output, and an fp32 copy of a 16-bit input
+    assert kept == 2 * 33 * 4 and ref_kept >= (4 if dtype == torch.float32 else 8) * x.numel()
+    grad = torch.randn_like(got)
+    tol = P.NORM.tol(dtype)
+    for a, b in zip(torch.autograd.grad(got, (x, w), grad), torch.autograd.grad(want, (x, w), grad)):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol.atol, rtol=tol.rtol)
+
+    gate = torch.randn(2, 33, 512, dtype=dtype, requires_grad=True)
+    up = torch.randn(2, 33, 512, dtype=dtype, requires_grad=True)
+    got, kept = _new_bytes_saved(implementation("swiglu", "torch").fn, gate, up)
+    want, ref_kept = _new_bytes_saved(reference.swiglu, gate, up)
+    assert torch.equal(got, want) and kept == 0 and ref_kept == gate.numel() * gate.element_size()
+    grad = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (gate, up), grad),
+                    torch.autograd.grad(want, (gate, up), grad)):
+        assert torch.equal(a, b)  # the same ops autograd runs for the reference
