@@ -152,7 +152,8 @@ def cmd_estimate(a):
                           "micro_batch_size": cfg.train.micro_batch_size,
                           "seq_length": cfg.data.seq_length,
                           "activation_checkpointing": cfg.parallel.activation_checkpointing,
-                          "bytes_per_rank": est.as_dict()}, indent=2))
+                          "bytes_per_rank": est.as_dict(),
+                          "largest_transient_is": est.transient_is}, indent=2))
         return
     print(f"{cfg.model.preset} on {a.ranks} {a.device} rank(s), {path.name}, TP {tp} x PP {pp}, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length} tokens, "
@@ -160,7 +161,8 @@ def cmd_estimate(a):
     for key, value in est.as_dict().items():
         if key == "host_offload" and not value:
             continue
-        print(f"  {key:<17} {format_bytes(value):>12}")
+        note = f"  ({est.transient_is})" if key == "largest_transient" else ""
+        print(f"  {key:<17} {format_bytes(value):>12}{note}")
 
 
 def cmd_bench(argv):

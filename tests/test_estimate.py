@@ -73,7 +73,17 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z3["startup_peak"] == pytest.approx(2 * n / 8 + 6 * 32000 * 4096, rel=1e-6)
     assert z3["peak"] == z3["total"] > z3["startup_peak"]
     # TP and PP build on meta and make real this rank's slices only (bf16), one tensor whole
-    assert tp["startup_peak"] == pytest.approx(tp["parameters"] + 6 * 32000 * 4096, rel=1e-6)
+    assert tp["startup_peak"] == pytest.approx(tp["parameters"] + 4 * 32000 * 4096, rel=1e-6)
+    # the largest single allocation: the embedding made whole in fp32 at start-up, the same size
+    # as the fused head's fp32 weight gradient; unfused, the fp32 logits of a micro-batch of 2
+    assert z3["largest_transient"] == 32000 * 4096 * 4
+    whole = estimate("zero3", 8, *big, "train.micro_batch_size=2", "model.loss_chunk_tokens=0",
+                     device="cuda")
+    assert whole["largest_transient"] == 2 * 4096 * 32000 * 4
+    # `dr-scale export` from ZeRO-3: the reader's mapped pages (512 MiB) and one 64 MiB fp32
+    # piece with its cast, beyond the process itself; from ZeRO-0/1/2 the whole fp32 model
+    assert z3["export_peak"] == 450 * 2**20 + 512 * 2**20 + 2 * 64 * 2**20
+    assert z0["export_peak"] == 450 * 2**20 + 4 * n + 2 * 64 * 2**20
     # 70B fits the meta device and prints; ZeRO-1 would need its whole fp32 model (257 GiB) on
     # every rank before anything is partitioned, ZeRO-3 on 512 ranks one embedding's worth
     z1_70b = estimate("zero1", 512, "model.preset=llama_70b", device="cuda")

@@ -36,6 +36,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from torch import nn
+
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
 
@@ -44,6 +46,10 @@ from dr_scale.models.build import spec_of
 # 1-layer, 64-wide model (benchmarks/estimate_check.py reports it afresh).
 RUNTIME_BYTES_CPU = 560 * 2**20
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
+# Resident set of `dr-scale export` before its first tensor (python, torch, DeepSpeed's checkpoint
+# reader): its peak exporting the tiny preset (4M parameters) from ZeRO-3, 0.44 GiB on the 2-core
+# CI machine (AMX Xeon, 2026-12-02).
+EXPORT_RUNTIME_BYTES = 450 * 2**20
 
 
 @dataclass
@@ -59,9 +65,14 @@ class MemoryEstimate:
     total: int         # steady state of training
     startup_peak: int  # while the model is built, before DeepSpeed partitions it
     peak: int          # max(total, startup_peak)
+    largest_transient: int  # the largest single allocation a rank makes, start-up or step (part
+    #                         of the figures above; what it is: `transient_is`)
+    export_peak: int = 0  # `dr-scale export` of this run's checkpoint (one process, not a rank)
+    transient_is: str = ""
 
     def as_dict(self):
-        return asdict(self)
+        """The byte counts by name (`transient_is` apart)."""
+        return {k: v for k, v in asdict(self).items() if k != "transient_is"}
 
 
 @functools.lru_cache(maxsize=8)
@@ -103,12 +114,14 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
     """Tensors one decoder block keeps for backward, per token (see module doc)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     kv = shape.num_kv_heads * shape.head_dim
-    # two norms: the fused kernel keeps its input; the torch reference an fp32 input copy and
-    # the fp32 normalized output
-    norms = 2 * (bytes_per * h if fused_norms else 8 * h)
+    # two norms: fused kernels and the torch RMSNorm (kernels/lean_torch.py) keep their input;
+    # the torch LayerNorm (reference.py) an fp32 copy of it and its fp32 normalized output
+    layer_norm = any(isinstance(m, nn.LayerNorm) for m in _meta_model(shape).modules())
+    norms = 2 * (8 * h if layer_norm and not fused_norms else bytes_per * h)
     attention = bytes_per * (h + (h + 2 * kv) + h + h)  # block input, q/k/v, output, o_proj input
-    # input; gated (SwiGLU): gate, silu(gate), up, product; GeLU: fc_in output, gelu output
-    mlp = bytes_per * (h + (4 if spec_of(shape.arch).gated_mlp else 2) * f)
+    # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
+    # output, gelu output
+    mlp = bytes_per * (h + (3 if spec_of(shape.arch).gated_mlp else 2) * f)
     return norms + attention + mlp
 
 
@@ -188,12 +201,46 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
     elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
-        startup = runtime + n * lp + largest_tensor(shape) * (4 + lp)
+        startup = runtime + n * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
+    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1 and not vocab_parallel,
+                                        slices=tp if vocab_parallel else 1)
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
                                             buffers, runtime, host, total, startup,
-                                            max(total, startup))))
+                                            max(total, startup), transient,
+                                            export_bytes(shape, zero_stage, tp, pp))),
+                          transient_is=what)
+
+
+def export_bytes(shape, zero_stage: int, tp: int = 1, pp: int = 1) -> int:
+    """Peak of `dr-scale export` (export/checkpoint_source.py, export/safetensors_folder.py):
+    from ZeRO-3 the optimizer files' pages mapped until RELOAD bytes are read, and one piece in
+    fp32 with its cast; from ZeRO-0/1/2 DeepSpeed's whole fp32 model (of one tensor rank, one
+    pipeline layer file at a time); a tensor joined from its tensor-parallel slices whole."""
+    from dr_scale.export.checkpoint_source import PIECE, RELOAD
+
+    n = sum(p.numel() for p in _meta_model(shape).parameters())
+    piece = min(PIECE, largest_tensor(shape)) * 4 * 2
+    joined = largest_tensor(shape) * 4 if tp > 1 else 0
+    held = min(RELOAD, 12 * n / tp) if zero_stage == 3 else 4 * n / tp / pp
+    return int(EXPORT_RUNTIME_BYTES + held + piece + joined)
+
+
+def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1):
+    """(bytes, what) of the largest single tensor a rank allocates: a parameter made whole in
+    fp32 at start-up (models/layers.py initial_value, every build), or the loss's: one chunk of
+    fp32 logits and the head's fp32 weight gradient (fused), the fp32 logits (whole)."""
+    v, d = shape.vocab_size, shape.hidden_size
+    candidates = [(largest_tensor(shape) * 4, "the largest parameter made whole in fp32 at "
+                                              "start-up")]
+    if fused and shape.loss_chunk > 0:
+        chunk = min(shape.loss_chunk, tokens)
+        candidates += [(chunk * v * 4, f"one chunk of fp32 logits ({chunk} tokens)"),
+                       (v * d * 4, "the LM head's fp32 weight gradient")]
+    else:
+        candidates.append((tokens * v * 4 / slices, "the fp32 logits of a micro-batch"))
+    return max(candidates)
 
 
 def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
