@@ -38,7 +38,7 @@ def run_args(preset, seq, ranks, vocab, layers=None):
 
 
 def measured(ds_config, preset, seq, ranks, vocab, layers, work, extra=()):
-    run = Path(tempfile.mkdtemp(prefix=f"{ds_config}-{ranks}ranks-", dir=work)) / "run"
+    run = Path(tempfile.mkdtemp(prefix=f"{Path(ds_config).stem}-{ranks}ranks-", dir=work)) / "run"
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 900),
            str(ROOT / "launchers" / "pretrain.py"), "--ds_config", ds_config, "--run_dir", str(run),
            *run_args(preset, seq, ranks, vocab, layers), *extra]
@@ -53,7 +53,8 @@ def measured(ds_config, preset, seq, ranks, vocab, layers, work, extra=()):
     params = re.search(r"\) ([\d.]+[MB]) parameters;", proc.stdout).group(1)
     return {"ds_config": ds_config, "ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
             "wall_s": round(time.perf_counter() - t0, 1), "precision": precision,
-            "parameters": params, "losses": [r["loss"] for r in records if "loss" in r]}
+            "parameters": params, "losses": [r["loss"] for r in records if "loss" in r],
+            "run_dir": str(run)}
 
 
 def estimated(ds_config, preset, seq, ranks, vocab, layers) -> dict:
@@ -64,6 +65,18 @@ def estimated(ds_config, preset, seq, ranks, vocab, layers) -> dict:
     if proc.returncode:
         raise SystemExit(proc.stderr)
     return json.loads(proc.stdout)
+
+
+def fewer_live(ds_config, live: float, work) -> str:
+    """A copy of `ds_config` keeping at most `live` gathered parameters (a path to it)."""
+    from dr_scale import ds_config as dsc
+
+    ds = dsc.read_json(dsc.resolve_path(ds_config))
+    ds["zero_optimization"].update(stage3_max_live_parameters=live,
+                                   stage3_max_reuse_distance=live)
+    path = Path(work) / f"{Path(ds_config).stem}_live{live:g}.json"
+    path.write_text(json.dumps(ds, indent=2))
+    return str(path)
 
 
 def main(argv=None):
@@ -83,6 +96,10 @@ def main(argv=None):
                          "machine)")
     ap.add_argument("--ds_config", nargs="+", default=["zero3"],
                     help="DeepSpeed configs side by side (e.g. zero3 zero3_nvme)")
+    ap.add_argument("--max_live_parameters", type=float, default=None,
+                    help="also run each config with ZeRO-3's stage3_max_live_parameters and "
+                         "stage3_max_reuse_distance at this value (DeepSpeed's default 1e9 keeps "
+                         "a model below 1e9 parameters gathered whole on every rank)")
     ap.add_argument("--out", default="bench_out/memory_scaling")
     a = ap.parse_args(argv)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
@@ -91,15 +108,20 @@ def main(argv=None):
           f"on {where}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-bench-", dir=os.environ.get("TMPDIR")) as work:
-        for ds_config, ranks in [(d, n) for d in a.ds_config for n in a.ranks]:
+        configs = [(d, d) for d in a.ds_config]
+        if a.max_live_parameters:
+            configs += [(f"{d}, live {a.max_live_parameters:g}",
+                         fewer_live(d, a.max_live_parameters, work)) for d in a.ds_config]
+        for (label, ds_config), ranks in [(c, n) for c in configs for n in a.ranks]:
             row = measured(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
                            work)
+            row["ds_config"] = label
             est = estimated(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers)
             per_rank = est["bytes_per_rank"]
             row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
             row["measured_over_estimate"] = row["peak_rss_gib"] / row["estimate_gib"]
-            print(f"  {ds_config}, {ranks} rank(s), {row['parameters']} parameters, "
+            print(f"  {label}, {ranks} rank(s), {row['parameters']} parameters, "
                   f"{row['precision']}: peak RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up "
                   f"included), estimate {row['estimate_gib']:.2f} GiB "
                   f"({row['measured_over_estimate']:.2f}x); wall {row['wall_s']:.0f} s",

@@ -122,12 +122,16 @@ def test_import_of_a_sharded_transformers_llama3_matches_its_logits(tmp_path):
 
 
 
-def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_dir, tmp_path):
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor_parallel=2"]], ids=["dp2", "tp2"])
+def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_dir, tmp_path,
+                                                             layout):
+    """Under TP each rank reads its slices of the folder's tensors into a model built on meta."""
     out = tmp_path / "hf"
     assert export(trained_run, out).returncode == 0
     run = tmp_path / "continued"
     launch(["--ds_config", "zero1", "--run_dir", run, *SHORT, f"model.init_from={out}",
-            "train.max_steps=2", "train.eval_interval=2", "train.save_interval=2"], 2, cache_dir)
+            "train.max_steps=2", "train.eval_interval=2", "train.save_interval=2", *layout], 2,
+           cache_dir)
     before = [json.loads(l) for l in (trained_run / "metrics.jsonl").read_text().splitlines()]
     after = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     final_eval = [r["eval_loss"] for r in before if "eval_loss" in r][-1]

@@ -5,14 +5,14 @@ The stages reuse the built model's modules and parameters: each layer of this ra
 split into its tensor-parallel slices (AutoTP, over the pipeline grid's tensor group) and then
 given its values (parallel/sharded_build.materialize) as DeepSpeed builds it; the other stages'
 layers stay on meta. A pipelined run starts from the same weights as an unpipelined one with the
-same seed. Layers: the token embedding, one entry per
-decoder block, the final norm, the LM head (tied to the embedding through DeepSpeed's
-TiedLayerSpec when the model ties them, so the two stages holding it sum their gradients).
-Partitioned by parameter count; DeepSpeed's pipeline engine runs the 1F1B schedule over the
-step's micro-batches (gradient_accumulation_steps of them).
+same seed. Layers: the token embedding, one entry per decoder block, the final norm, the LM head
+(tied to the embedding through DeepSpeed's TiedLayerSpec when the model ties them, so the two
+stages holding it sum their gradients). Partitioned by parameter count; DeepSpeed's pipeline
+engine runs the 1F1B schedule over the step's micro-batches (gradient_accumulation_steps of
+them).
 
-Parameter names inside a PipelineModule are its layer indices, not the model's: exporting a
-pipelined run to Hugging Face format is not supported yet.
+Parameter names inside a PipelineModule are its layer indices, not the model's; the export maps
+its per-layer checkpoint files back to the model's names (export/checkpoint_source.py).
 """
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
