@@ -88,7 +88,8 @@ def run_peer(preset, ds_config, ranks, steps, seq, micro, vocab, workdir):
     return json.loads(out.read_text())
 
 
-def estimate_bytes(preset, ds_config, ranks, seq, micro, extra, vocab, device):
+def estimate_bytes(preset, ds_config, ranks, seq, micro, extra, vocab, device, key="total"):
+    """`dr-scale estimate`'s figure `key` (total: steady state; peak: start-up included)."""
     cmd = [sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config", ds_config, "--ranks",
            str(ranks), "--device", device, "--json", f"model.preset={preset}",
            f"data.seq_length={seq}", f"train.micro_batch_size={micro}",
@@ -96,7 +97,7 @@ def estimate_bytes(preset, ds_config, ranks, seq, micro, extra, vocab, device):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return None
-    return json.loads(proc.stdout)["bytes_per_rank"]["total"]
+    return json.loads(proc.stdout)["bytes_per_rank"][key]
 
 
 def _paired_bars(path, labels, left, right, names, ylabel, title):
