@@ -10,11 +10,14 @@ import math
 from tests.conftest import run_rank_script
 
 
+def rank_results(script: str, tmp_path) -> list:
+    """Each of the 2 ranks' results of tests/scripts/<script>."""
+    run_rank_script(script, tmp_path / "result")
+    return [json.loads((tmp_path / f"result.{rank}").read_text()) for rank in (0, 1)]
+
+
 def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
-    out = tmp_path / "result"
-    run_rank_script("sharded_build.py", out)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"result.{rank}").read_text())
+    for result in rank_results("sharded_build.py", tmp_path):
         assert sorted(result) == ["gpt2_tiny/fp32", "tiny/bf16", "tiny/fp32"]
         for case, r in result.items():
             assert r["total"] == r["plain_total"] > 1_000_000, case
@@ -38,10 +41,7 @@ def test_zero3_builds_each_rank_its_shard_with_the_unsharded_values(tmp_path):
 
 
 def test_tensor_and_pipeline_parallel_make_real_only_this_ranks_part(tmp_path):
-    out = tmp_path / "result"
-    run_rank_script("sharded_build_tp_pp.py", out)
-    for rank in (0, 1):
-        result = json.loads((tmp_path / f"result.{rank}").read_text())
+    for result in rank_results("sharded_build_tp_pp.py", tmp_path):
         assert sorted(result) == ["gpt2_tiny/tp2", "tiny/pp2", "tiny/tp2"]
         for case, r in result.items():
             assert r["built_meta"], case

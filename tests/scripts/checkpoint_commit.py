@@ -1,6 +1,5 @@
 """Run by tests/test_checkpoint_writer.py on 2 ranks (torch.multiprocessing, gloo): each rank
 publishes the files it wrote; `latest` moves only when both ranks confirm theirs."""
-import json
 import os
 import sys
 import types
@@ -8,11 +7,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_result import write_and_leave
 
 
 def rank_main(rank, port, ckpt_dir, out):
     from dr_scale.errors import DrScaleError
-    from dr_scale.launch import leave
     from dr_scale.train.checkpoint import STAGING, tag_for
     from dr_scale.train.checkpoint_writer import CheckpointWriter
 
@@ -39,9 +38,7 @@ def rank_main(rank, port, ckpt_dir, out):
         result[f"latest_after_{step}"] = (ckpt_dir / "latest").read_text().strip()
         result[f"kept_after_{step}"] = sorted(p.name for p in ckpt_dir.iterdir()
                                               if p.name.startswith("step_"))
-    Path(f"{out}.{rank}").write_text(json.dumps(result))
-    dist.destroy_process_group()
-    leave(0)  # see dr_scale.launch.leave
+    write_and_leave(out, rank, result)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,16 @@
 """Run by tests/test_comm.py on 2 ranks (torch.multiprocessing): dr_scale.comm under a world
 group that serves CUDA only, as NCCL's does on GPUs, and under a gloo group serving the host."""
-import json
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_result import write_and_leave
 
 
 def rank_main(rank, port, out):
     from dr_scale import comm
-    from dr_scale.launch import leave
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("cuda:gloo", rank=rank, world_size=2)  # serves cuda tensors only
@@ -39,10 +38,7 @@ def rank_main(rank, port, out):
     result["objects"] = comm.all_gather_object({"rank": rank}, group=cpu_group)
     result["broadcast"] = comm.broadcast_object(f"from {rank}", group=cpu_group)
     comm.barrier(group=cpu_group)
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
-    leave(0)  # see dr_scale.launch.leave
+    write_and_leave(out, rank, result)
 
 
 if __name__ == "__main__":

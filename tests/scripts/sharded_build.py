@@ -1,12 +1,12 @@
 """Run by tests/test_sharded_build.py on 2 ranks (torch.multiprocessing, gloo): a model built
 under ZeRO-3's zero.Init against the same model built whole from the same seed."""
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from rank_result import write_and_leave
 
 
 def rank_main(rank, port, out):
@@ -15,7 +15,6 @@ def rank_main(rank, port, out):
     import deepspeed
 
     from dr_scale.config.schema import ModelConfig
-    from dr_scale.launch import leave
     from dr_scale.models import build_model, resolve_shape
     from dr_scale.models.build import count_parameters
     from dr_scale.parallel.sharded_build import build_for_run
@@ -71,10 +70,7 @@ def rank_main(rank, port, out):
                 want = source[name].to(p.dtype)
                 loaded[name] = bool(torch.equal(p.data, want))
         result[f"{preset}/{precision}"]["loaded"] = loaded
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    torch.distributed.destroy_process_group()
-    leave(0)  # see dr_scale.launch.leave
+    write_and_leave(out, rank, result)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@ the meta device and made real only where this rank keeps it, under tensor parall
 slices) and pipeline parallelism (its stage), against the same model built whole from the same
 seed and split by DeepSpeed itself; and a Hugging Face folder (model.init_from) read into the
 slices."""
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from rank_result import write_and_leave
 
 
 def rank_main(rank, port, out):
@@ -21,7 +21,6 @@ def rank_main(rank, port, out):
 
     from dr_scale.config.schema import ModelConfig
     from dr_scale.export.safetensors_folder import HFWeights
-    from dr_scale.launch import leave
     from dr_scale.models import build_model, resolve_shape
     from dr_scale.models.build import count_parameters
     from dr_scale.parallel.pipeline import to_pipeline
@@ -81,10 +80,7 @@ def rank_main(rank, port, out):
             case["loaded"] = {n: bool(torch.equal(p, q)) for (n, p), (_, q)
                               in zip(loaded.named_parameters(), want.named_parameters())}
         result[f"{preset}/{layout}"] = case
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    torch.distributed.destroy_process_group()
-    leave(0)  # see dr_scale.launch.leave
+    write_and_leave(out, rank, result)
 
 
 if __name__ == "__main__":
