@@ -28,8 +28,8 @@ What is counted, per rank, for AdamW under DeepSpeed:
 sharded_build.py): under ZeRO-3 without tensor or pipeline parallelism it is built sharded, and a
 rank holds at most one tensor whole, in fp32 and in the training precision, while it is cast and
 partitioned; under tensor or pipeline parallelism a rank makes real only its slices of its stage
-(in the training precision), one tensor whole in fp32 at a time while it is cut; elsewhere every rank builds the whole model
-in fp32 first. `startup_peak` is that
+(in the training precision), one tensor whole in fp32 at a time while it is cut; elsewhere every
+rank builds the whole model in fp32 first. `startup_peak` is that
 moment (runtime included), `peak` the larger of the two: what the rank needs.
 """
 import functools

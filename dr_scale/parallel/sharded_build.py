@@ -87,9 +87,7 @@ def _this_ranks_slice(owner: nn.Module, whole: torch.Tensor, shape: tuple, name:
     if tuple(whole.shape) == shape:
         return whole
     split = [d for d, (a, b) in enumerate(zip(whole.shape, shape)) if a != b]
-    if len(split) != 1 or not hasattr(owner, "tp_index"):
+    if len(split) != 1 or not hasattr(owner, "_partition_sizes"):
         raise RuntimeError(f"{name}: cannot tell this rank's part of {tuple(whole.shape)} "
                            f"as {shape} ({type(owner).__name__})")
-    sizes = getattr(owner, "_partition_sizes", None) or \
-        [whole.shape[split[0]] // owner.tp_world_size] * owner.tp_world_size
-    return whole.split(list(sizes), dim=split[0])[owner.tp_index]
+    return whole.split(list(owner._partition_sizes), dim=split[0])[owner.tp_index]

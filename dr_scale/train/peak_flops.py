@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from dr_scale import ds_config as dsc
 from dr_scale.hardware import cpu_bf16_support, cpu_model
 
 # Dense TFLOP/s by part, from the vendors' datasheets: (patterns all in the lowercased device
@@ -50,7 +51,6 @@ GPU_PEAKS = (
     (("a10",), {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
 )
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CPU_TRIES = 5
 
 
@@ -67,7 +67,7 @@ def measure_matmul(m: int, k: int, n: int, precision: str, device: str = "cpu",
                    tries: int = CPU_TRIES, min_seconds: float = 0.05) -> float:
     """Best FLOP/s of an (m x k) @ (k x n) matmul over `tries` timed runs (each repeated until
     it lasts `min_seconds`), after a warm-up."""
-    dtype = _DTYPES.get(precision, torch.float32)
+    dtype = dsc.torch_dtype(precision)
     a = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(k, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
