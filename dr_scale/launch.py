@@ -88,8 +88,7 @@ def run(args):
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
     cfg.freeze()
-    shape, kernels_line = select_kernels(shape, cfg.model, device.type, precision,
-                                         cfg.data.reset_positions)
+    shape, kernels_line = select_kernels(shape, cfg, device.type, precision, topo)
     torch.manual_seed(cfg.train.seed)
     model = build_for_run(shape, ds, topo)  # ZeRO-3: sharded as built; TP or PP: on meta
     initial = None if args.resume else init_state  # on resume the checkpoint's weights win

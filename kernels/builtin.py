@@ -98,6 +98,29 @@ def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=
     return torch.cat(rows, dim=0)
 
 
+def _sdpa_backend(backend_name: str):
+    """SDPA held to one of its backends (flash, cuDNN): on GPUs `auto` measures them against
+    SDPA's own choice and triton_flash, so a faster backend is used where it wins (torch picks
+    by fixed rules). The backward follows the backend the forward used."""
+    def attention(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=None):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend_name)]):
+            return attention_sdpa(q, k, v, causal, dropout_p, training, doc_ids)
+    return attention
+
+
+def _cuda_device_unavailable():
+    return None if torch.cuda.is_available() else "needs a CUDA device"
+
+
+register_kernel("attention", "sdpa_flash", priority=TORCH + 1, devices=("cuda",),
+                policy=P.ATTENTION, available=_cuda_device_unavailable)(
+                    _sdpa_backend("FLASH_ATTENTION"))
+register_kernel("attention", "sdpa_cudnn", priority=TORCH + 1, devices=("cuda",),
+                policy=P.ATTENTION, available=_cuda_device_unavailable)(
+                    _sdpa_backend("CUDNN_ATTENTION"))
+
 register_kernel("attention", "eager", priority=TORCH, devices=ANY,
                 policy=P.ATTENTION)(reference.attention)
 

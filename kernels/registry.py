@@ -1,13 +1,14 @@
 """Kernel registry: per op, the implementations with the devices, dtypes and shapes each
-supports. `select` picks the best available one (fused CUDA > Triton > apex > torch), or the one
-forced by name; the model says its choices once at start (`describe`).
+supports. `select` picks the best available one by priority (fused CUDA > Triton > apex > torch),
+or the one forced by name; on GPUs `auto` is decided by measurement among `candidates` instead
+(measured.py); the model says its choices once at start (`describe`).
 
     @register_kernel("rms_norm", "cuda_fused", priority=CUDA, devices=("cuda",), policy=NORM,
                      available=cuda_extension_available)
     def rms_norm_cuda(x, weight, eps): ...
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels.policy import PrecisionPolicy, dtype_name
@@ -64,10 +65,18 @@ def select(op: str, device_type: str, dtype=None, force: Optional[str] = None, *
         if reason:
             raise DrScaleError(f"kernels.{op}={force}: cannot run here: {reason}")
         return impls[force]
-    for k in sorted(impls.values(), key=lambda k: -k.priority):
-        if device_type in k.auto_devices and k.why_not(device_type, dtype, **shape) is None:
-            return k
-    raise DrScaleError(f"kernels.{op}: no implementation runs on {device_type}")
+    found = candidates(op, device_type, dtype, **shape)
+    if not found:
+        raise DrScaleError(f"kernels.{op}: no implementation runs on {device_type}")
+    return found[0]
+
+
+def candidates(op: str, device_type: str, dtype=None, **shape) -> List[Kernel]:
+    """The implementations `auto` may use for `op` here, best priority first (on GPUs they are
+    measured against each other: measured.py)."""
+    _load_builtin()
+    return [k for k in sorted(KERNELS.get(op, {}).values(), key=lambda k: -k.priority)
+            if device_type in k.auto_devices and k.why_not(device_type, dtype, **shape) is None]
 
 
 def implementation(op: str, name: str) -> Kernel:

@@ -10,16 +10,14 @@ A measured peak can come out low (another process had the cores that moment): MF
 then impossible, so the trainer re-measures (`remeasure`) and, if it still cannot be true, reports
 the peak as unreliable instead of printing the figure.
 """
-import json
-import os
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
+from dr_scale import disk_cache
 from dr_scale import ds_config as dsc
 from dr_scale.hardware import cpu_bf16_support, cpu_model
 
@@ -94,9 +92,7 @@ def largest_gemm(shape, tokens: int, tensor_parallel: int = 1) -> Tuple[int, int
     return tokens, shape.hidden_size, max(1, n)
 
 
-def _cache_file() -> Path:
-    root = os.environ.get("DR_SCALE_CACHE") or "~/.cache/dr_scale"
-    return Path(root).expanduser() / "cpu_peaks.json"
+_CACHE = "cpu_peaks.json"
 
 
 def _cpu_key(precision: str, gemm) -> str:
@@ -110,26 +106,10 @@ def _dims(gemm) -> str:
     return "x".join(map(str, gemm))
 
 
-def _read_cache() -> dict:
-    try:
-        return json.loads(_cache_file().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}  # absent or damaged: measured again and rewritten
-
-
 def _store(key: str, peak: float) -> float:
     """Keep the higher of the cached and the new figure under `key`; returns the kept one."""
-    cache = _read_cache()
-    peak = max(peak, cache.get(key, 0.0))
-    cache[key] = peak
-    path = _cache_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1) + "\n")
-        os.replace(tmp, path)  # ranks measuring at once never leave a torn file
-    except OSError:
-        pass  # an unwritable cache only costs the measurement next time
+    peak = max(peak, disk_cache.read(_CACHE).get(key, 0.0))
+    disk_cache.store(_CACHE, key, peak)
     return peak
 
 
@@ -182,8 +162,8 @@ def peak_flops(precision: str, device, gemm) -> Peak:
                     f"table)", precision, n, str(device))
     key = _cpu_key(precision, gemm)
     where = f"{precision} matmul {_dims(gemm)}"
-    cached = _read_cache().get(key)
+    cached = disk_cache.read(_CACHE).get(key)
     if cached:
-        return Peak(cached, f"measured {where}, cached in {_cache_file()}", precision, gemm)
+        return Peak(cached, f"measured {where}, cached in {disk_cache.cache_file(_CACHE)}", precision, gemm)
     value = _store(key, measure_matmul(*gemm, precision))
     return Peak(value, f"measured {where}, best of {CPU_TRIES}", precision, gemm)
