@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu_check.sh            (results under $OUT, else bench_out/gpu)
 # Parts, each written to its own file as it finishes, then one PASS/FAIL line per part:
 #   tests     the GPU tests (a skipped one fails the part: on a GPU nothing may skip)
-#   launch    1 GPU, ZeRO-3, through the launcher and NCCL: 5 steps with evaluation and a save,
+#   launch    1 GPU, ZeRO-3, through the launcher and NCCL (kernels chosen by measurement, the
+#             table shown): 5 steps with evaluation and a save,
 #             a resume to step 7, an export that transformers loads
 #   kernels   the kernel table (SDPA flash, cuDNN, ours; GQA 32:8; % of peak)
 #   llama_1b  one throughput point of the full llama_1b preset on one GPU
@@ -68,6 +69,7 @@ print("export loads:", type(m).__name__, sum(p.numel() for p in m.parameters()),
 EOF
 } >"$OUT/launch.txt" 2>&1
 rc=$?
+grep -m1 -A14 "kernels measured" "$OUT/launch.txt"  # auto's choice by measurement
 grep -E "^(train|eval) +step|start|export loads|Error" "$OUT/launch.txt" | tail -12
 if [ $rc -eq 0 ] && grep -q "step      7/7" "$OUT/launch.txt"; then VERDICT[launch]=PASS; else VERDICT[launch]="FAIL (rc $rc)"; fi
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Kernel benchmark on a CUDA device: our kernels against torch, side by side in one run.
+"""Kernel benchmark on a CUDA device: every registered implementation side by side in one run.
 
     python benchmarks/kernels.py --out bench_out/kernels
 
-Attention: forward + backward TFLOP/s of triton_flash against torch SDPA's flash backend and
-eager attention (bf16, head_dim 128, causal unless --full), over sequence lengths. Fused ops
-(RMSNorm, LayerNorm, SwiGLU, bias+GeLU, rotary, cross-entropy): forward + backward time against
-the torch reference. Writes results.jsonl and results.md.
+Attention (bf16, head_dim 128, causal unless --full, GQA 32 query : 8 key/value heads as Llama's
+larger presets): forward and forward + backward TFLOP/s and % of the part's datasheet peak, for
+triton_flash, SDPA's flash and cuDNN backends and eager attention, over sequence lengths. Fused ops
+(RMSNorm, LayerNorm, SwiGLU, bias+GeLU, rotary, cross-entropy): forward + backward time against the
+torch reference, and the fused kernel's share of the part's memory bandwidth. Writes
+results.jsonl and results.md; an implementation that fails on this device is a row saying so.
 """
 import argparse
 import json
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+ATTENTION = ("triton_flash", "sdpa_flash", "sdpa_cudnn", "eager")
 
 
 def bench(fn, warmup=5, reps=20) -> float:
@@ -35,39 +39,46 @@ def fwd_bwd(fn, inputs):
     return run
 
 
-def attention_rows(seqs, head_dim, causal, dtype, batch_tokens=16384, heads=16):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from dr_scale.kernels import flash_attention, reference
+def attention_rows(seqs, head_dim, causal, dtype, peak, batch_tokens=16384, heads=32,
+                   kv_heads=8):
+    from dr_scale.kernels.registry import implementation
 
     rows = []
     for s in seqs:
         b = max(1, batch_tokens // s)
-        q, k, v = (torch.randn(b, heads, s, head_dim, device="cuda", dtype=dtype) for _ in range(3))
-        # fwd 4*b*h*s*s*d (two matmuls), bwd 2.5x that; causal halves it
-        flops = 4 * b * heads * s * s * head_dim * 3.5 * (0.5 if causal else 1.0)
+        q = torch.randn(b, heads, s, head_dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, kv_heads, s, head_dim, device="cuda", dtype=dtype)
+                for _ in range(2))
+        # forward 4*b*h*s*s*d (two matmuls), backward 2.5x that; causal halves both
+        fwd_flops = 4 * b * heads * s * s * head_dim * (0.5 if causal else 1.0)
+        row = {"kernel": "attention", "seq": s, "batch": b, "heads": f"{heads}:{kv_heads}",
+               "head_dim": head_dim, "causal": causal, "dtype": str(dtype).replace("torch.", "")}
+        for name in ATTENTION:
+            if name == "eager" and b * heads * s * s * 4 >= 8e9:  # its fp32 scores cannot fit
+                continue
+            fn = implementation("attention", name).fn
 
-        def sdpa(q, k, v):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        impls = {"triton_flash": lambda q, k, v: flash_attention(q, k, v, causal=causal),
-                 "sdpa_flash": sdpa}
-        if b * heads * s * s * 4 < 8e9:  # eager materializes the scores: skip what cannot fit
-            impls["eager"] = lambda q, k, v: reference.attention(q, k, v, causal=causal)
-        row = {"kernel": "attention", "seq": s, "batch": b, "heads": heads, "head_dim": head_dim,
-               "causal": causal, "dtype": str(dtype).replace("torch.", "")}
-        for name, fn in impls.items():
-            ms = bench(fwd_bwd(fn, [q, k, v]))
-            row[f"{name}_ms"] = ms
-            row[f"{name}_tflops"] = flops / ms / 1e9
-        row["triton_vs_sdpa_flash"] = row["triton_flash_tflops"] / row["sdpa_flash_tflops"]
+            def call(q, k, v, fn=fn):
+                return fn(q, k, v, causal=causal)
+            try:
+                with torch.no_grad():
+                    fwd_ms = bench(lambda: call(q, k, v))
+                ms = bench(fwd_bwd(call, [q, k, v]))
+            except Exception as e:  # e.g. a backend this device or shape lacks
+                row[f"{name}_error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+                continue
+            row[f"{name}_fwd_tflops"] = fwd_flops / fwd_ms / 1e9
+            row[f"{name}_tflops"] = fwd_flops * 3.5 / ms / 1e9
+            if peak:
+                row[f"{name}_fwd_peak_pct"] = 100 * fwd_flops / fwd_ms / 1e-3 / peak
+        if "triton_flash_tflops" in row and "sdpa_flash_tflops" in row:
+            row["triton_vs_sdpa_flash"] = row["triton_flash_tflops"] / row["sdpa_flash_tflops"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
-def fused_rows(dtype, tokens=16384, hidden=4096, ffn=11008, vocab=32000):
+def fused_rows(dtype, bandwidth, tokens=16384, hidden=4096, ffn=11008, vocab=32000):
     from dr_scale.kernels import cross_entropy, cuda, reference
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
@@ -87,11 +98,20 @@ def fused_rows(dtype, tokens=16384, hidden=4096, ffn=11008, vocab=32000):
         "rotary": (lambda q: cuda.apply_rotary(q, cos, sin), lambda q: reference.apply_rotary(q, cos, sin), [q]),
         "cross_entropy": (lambda l: cross_entropy(l, labels), lambda l: reference.cross_entropy(l, labels), [logits]),
     }
+    # whole-tensor passes over memory of one forward + backward (reads and writes of the
+    # activation-sized tensors; weights and per-row statistics are small beside them)
+    passes = {"rms_norm": 5, "layer_norm": 5, "swiglu": 8, "bias_gelu": 4, "rotary": 4,
+              "cross_entropy": 3}
     rows = []
     for name, (fast, ref, inputs) in cases.items():
         row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""),
                "fused_ms": bench(fwd_bwd(fast, inputs)), "torch_ms": bench(fwd_bwd(ref, inputs))}
         row["speedup"] = row["torch_ms"] / row["fused_ms"]
+        big = inputs[0]
+        moved = passes[name] * big.numel() * big.element_size()
+        row["fused_gb_s"] = moved / row["fused_ms"] / 1e6
+        if bandwidth:
+            row["fused_hbm_pct"] = 100 * row["fused_gb_s"] * 1e9 / bandwidth
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -107,28 +127,49 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py: needs a CUDA device (CPU correctness: "
                  "pytest tests/test_kernels_triton.py)")
+    from dr_scale.train.peak_flops import datasheet_bandwidth, datasheet_peak
+
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"device: {torch.cuda.get_device_name()}", flush=True)
-    rows = attention_rows(a.seqs, a.head_dim, not a.full, torch.bfloat16) + fused_rows(torch.bfloat16)
+    device = torch.cuda.get_device_name()
+    peak, bandwidth = datasheet_peak(device, "bf16"), datasheet_bandwidth(device)
+    print(f"device: {device}; bf16 peak {peak and peak / 1e12} TFLOP/s, memory "
+          f"{bandwidth and bandwidth / 1e12} TB/s (datasheet)", flush=True)
+    rows = (attention_rows(a.seqs, a.head_dim, not a.full, torch.bfloat16, peak)
+            + fused_rows(torch.bfloat16, bandwidth))
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    lines = [f"device: {torch.cuda.get_device_name()}", "",
-             "| seq | triton_flash TFLOP/s | SDPA flash TFLOP/s | eager TFLOP/s | triton / SDPA |",
-             "|---|---|---|---|---|"]
-    for r in rows:
-        if r["kernel"] == "attention":
-            eager = f"{r['eager_tflops']:.1f}" if "eager_tflops" in r else "-"
-            lines.append(f"| {r['seq']} | {r['triton_flash_tflops']:.1f} | "
-                         f"{r['sdpa_flash_tflops']:.1f} | {eager} | {r['triton_vs_sdpa_flash']:.2f} |")
-    lines += ["", "| op (fwd+bwd) | fused ms | torch ms | speedup |", "|---|---|---|---|"]
+    (out / "results.md").write_text(markdown(rows, device) + "\n")
+    print(markdown(rows, device))
+
+
+def markdown(rows, device) -> str:
+    lines = [f"device: {device}", "", "attention, TFLOP/s forward / forward+backward "
+             "(% of bf16 peak, forward)", "",
+             "| seq | heads | " + " | ".join(ATTENTION) + " | triton / SDPA flash |",
+             "|---|---|" + "---|" * (len(ATTENTION) + 1)]
     for r in rows:
         if r["kernel"] != "attention":
+            continue
+        cells = []
+        for name in ATTENTION:
+            if f"{name}_tflops" in r:
+                pct = r.get(f"{name}_fwd_peak_pct")
+                cells.append(f"{r[name + '_fwd_tflops']:.0f} / {r[name + '_tflops']:.0f}"
+                             + (f" ({pct:.0f}%)" if pct else ""))
+            else:
+                cells.append("failed" if f"{name}_error" in r else "-")
+        ratio = f"{r['triton_vs_sdpa_flash']:.2f}" if "triton_vs_sdpa_flash" in r else "-"
+        lines.append(f"| {r['seq']} | {r['heads']} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "| op (fwd+bwd) | fused ms | torch ms | speedup | fused GB/s | % of memory "
+              "bandwidth |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kernel"] != "attention":
+            pct = f"{r['fused_hbm_pct']:.0f}%" if "fused_hbm_pct" in r else "-"
             lines.append(f"| {r['kernel']} | {r['fused_ms']:.3f} | {r['torch_ms']:.3f} | "
-                         f"{r['speedup']:.2f} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                         f"{r['speedup']:.2f} | {r['fused_gb_s']:.0f} | {pct} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

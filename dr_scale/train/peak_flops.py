@@ -24,29 +24,30 @@ from dr_scale.hardware import cpu_bf16_support, cpu_model
 # Dense TFLOP/s by part, from the vendors' datasheets: (patterns all in the lowercased device
 # name, {precision: TFLOP/s}). First match wins, so a part precedes the parts its name contains
 # (H100 NVL before H100, L40S before L4, A100 before A10). fp32 is the non-tensor-core figure
-# (torch's default matmul precision); missing precisions are measured.
+# (torch's default matmul precision); missing precisions are measured. "hbm": memory bandwidth in
+# TB/s (the fused kernels' share of it; A100/A800 at the 80 GB SXM part's figure).
 _H100 = {"bf16": 989.0, "fp16": 989.0, "fp8": 1979.0, "fp32": 67.0}
 GPU_PEAKS = (
-    (("gb200",), {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0}),
-    (("b200",), {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0}),
-    (("b100",), {"bf16": 1800.0, "fp16": 1800.0, "fp8": 3500.0}),
-    (("h200", "nvl"), {"bf16": 836.0, "fp16": 836.0, "fp8": 1671.0, "fp32": 60.0}),
-    (("h200",), _H100),
-    (("h100", "nvl"), {"bf16": 835.0, "fp16": 835.0, "fp8": 1670.0, "fp32": 60.0}),
-    (("h100", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0}),
-    (("h100",), _H100),                                   # SXM: "NVIDIA H100 80GB HBM3"
-    (("h800", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0}),
-    (("h800",), _H100),
-    (("h20",), {"bf16": 148.0, "fp16": 148.0, "fp8": 296.0, "fp32": 44.0}),
-    (("a100",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    (("a800",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
-    (("a40",), {"bf16": 149.7, "fp16": 149.7, "fp32": 37.4}),
-    (("a30",), {"bf16": 165.0, "fp16": 165.0, "fp32": 10.3}),
-    (("l40s",), {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 91.6}),
-    (("l40",), {"bf16": 181.0, "fp16": 181.0, "fp8": 362.0, "fp32": 90.5}),
-    (("l4",), {"bf16": 121.0, "fp16": 121.0, "fp8": 242.0, "fp32": 30.3}),
+    (("gb200",), {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "hbm": 8.0}),
+    (("b200",), {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "hbm": 8.0}),
+    (("b100",), {"bf16": 1800.0, "fp16": 1800.0, "fp8": 3500.0, "hbm": 8.0}),
+    (("h200", "nvl"), {"bf16": 836.0, "fp16": 836.0, "fp8": 1671.0, "fp32": 60.0, "hbm": 4.8}),
+    (("h200",), {**_H100, "hbm": 4.8}),
+    (("h100", "nvl"), {"bf16": 835.0, "fp16": 835.0, "fp8": 1670.0, "fp32": 60.0, "hbm": 3.9}),
+    (("h100", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0, "hbm": 2.0}),
+    (("h100",), {**_H100, "hbm": 3.35}),                                   # SXM: "NVIDIA H100 80GB HBM3"
+    (("h800", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0, "hbm": 2.0}),
+    (("h800",), {**_H100, "hbm": 3.35}),
+    (("h20",), {"bf16": 148.0, "fp16": 148.0, "fp8": 296.0, "fp32": 44.0, "hbm": 4.0}),
+    (("a100",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "hbm": 2.039}),
+    (("a800",), {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5, "hbm": 2.039}),
+    (("a40",), {"bf16": 149.7, "fp16": 149.7, "fp32": 37.4, "hbm": 0.696}),
+    (("a30",), {"bf16": 165.0, "fp16": 165.0, "fp32": 10.3, "hbm": 0.933}),
+    (("l40s",), {"bf16": 362.0, "fp16": 362.0, "fp8": 733.0, "fp32": 91.6, "hbm": 0.864}),
+    (("l40",), {"bf16": 181.0, "fp16": 181.0, "fp8": 362.0, "fp32": 90.5, "hbm": 0.864}),
+    (("l4",), {"bf16": 121.0, "fp16": 121.0, "fp8": 242.0, "fp32": 30.3, "hbm": 0.3}),
     (("a10g",), None),                                     # cloud part, no public datasheet
-    (("a10",), {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
+    (("a10",), {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2, "hbm": 0.6}),
 )
 
 CPU_TRIES = 5
@@ -54,11 +55,22 @@ CPU_TRIES = 5
 
 def datasheet_peak(device_name: str, precision: str) -> Optional[float]:
     """FLOP/s for this exact part and precision, or None (not in the table)."""
+    table = _part(device_name)
+    return table[precision] * 1e12 if table and precision in table else None
+
+
+def _part(device_name: str) -> Optional[dict]:
     words = device_name.lower()
     for patterns, table in GPU_PEAKS:
         if all(re.search(rf"(?<![0-9a-z]){p}(?![0-9a-z])", words) for p in patterns):
-            return table[precision] * 1e12 if table and precision in table else None
+            return table
     return None
+
+
+def datasheet_bandwidth(device_name: str) -> Optional[float]:
+    """Memory bytes/s for this exact part, or None (not in the table)."""
+    table = _part(device_name)
+    return table["hbm"] * 1e12 if table and "hbm" in table else None
 
 
 def measure_matmul(m: int, k: int, n: int, precision: str, device: str = "cpu",
