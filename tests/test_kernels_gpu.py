@@ -120,3 +120,53 @@ def test_training_step_with_best_kernels_matches_reference():
     ops.reset()
     for a, b in zip(losses["best"], losses["reference"]):
         assert abs(a - b) < 2e-2 * abs(b), losses
+
+
+def test_binding_refuses_arguments_the_kernels_would_misread():
+    """An fp32 weight beside bf16 input was read as bf16 (garbage); now every argument's device,
+    dtype, shape and contiguity is checked in the binding."""
+    from dr_scale.kernels.cuda import library
+
+    x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(256, device="cuda")
+    with pytest.raises(RuntimeError, match="rms_norm: weight is Float, the input BFloat16"):
+        library.rms_norm_fwd(x, w, 1e-5)
+    with pytest.raises(RuntimeError, match="weight has shape \\[128\\], expected \\[256\\]"):
+        library.rms_norm_fwd(x, w[:128].bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="swiglu: gate must be contiguous"):
+        library.swiglu_fwd(x.t(), x.t().contiguous())
+    with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
+        library.bias_gelu_fwd(x, w.bfloat16().cpu())
+
+
+def test_compiled_block_keeps_one_graph_on_gpu():
+    """model.compile's view: the CUDA ops inside torch.compile(fullgraph=True), inductor."""
+    from dr_scale.kernels import cuda
+
+    def block(x, w, gate, up):
+        return cuda.swiglu(cuda.rms_norm(x, w, 1e-5), up).float().sum() + gate.sum()
+
+    x, gate, up = (torch.randn(64, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+    w = torch.ones(512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch._dynamo.reset()
+    got = torch.compile(block, fullgraph=True)(x, w, gate, up)
+    want = block(x, w, gate, up)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-2)
+
+
+def test_auto_measures_and_keeps_only_passing_kernels(tmp_path, monkeypatch):
+    from dr_scale.kernels import measured
+    from dr_scale.kernels.registry import candidates
+
+    monkeypatch.setenv("DR_SCALE_CACHE", str(tmp_path))
+    p = measured.Problem(batch=2, seq=1024, hidden=2048, ffn=5632, heads=16, kv_heads=4,
+                         head_dim=128, vocab=32000, loss_rows=2048)
+    found = {op: candidates(op, "cuda", torch.bfloat16)
+             for op in ("rms_norm", "swiglu", "attention", "cross_entropy")}
+    assert "cuda_fused" in [k.name for k in found["rms_norm"]]
+    chosen, table = measured.choose(found, p, "cuda", torch.bfloat16)
+    print(measured.format_table(table, p, "cuda", torch.bfloat16))
+    for op, name in chosen.items():
+        row = next(r for r in table if r.op == op and r.name == name)
+        assert row.error <= 1.0 and row.ms > 0
