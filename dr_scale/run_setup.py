@@ -22,7 +22,7 @@ from dr_scale.distributed import threads_per_rank
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
 from dr_scale.kernels import measured, ops
-from dr_scale.kernels.registry import candidates, select
+from dr_scale.kernels.registry import candidates, select, unavailable
 from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
 from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position
 from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universal_ready,
@@ -223,6 +223,8 @@ def select_kernels(shape, cfg, device_type: str, precision: str, topo):
                                         torch.device("cuda", torch.cuda.current_device()), dtype)
         if topo.rank == 0:
             print(measured.format_table(table, problem, "cuda", dtype), flush=True)
+            for reason, names in unavailable(device_type).items():  # e.g. the CUDA build's error
+                print(f"kernels: not used ({', '.join(names)}): {reason}", flush=True)
         if "attention" in chosen:
             shape = dataclasses.replace(shape, attention=chosen.pop("attention"))
         forced.update(chosen)

@@ -79,6 +79,20 @@ def candidates(op: str, device_type: str, dtype=None, **shape) -> List[Kernel]:
             if device_type in k.auto_devices and k.why_not(device_type, dtype, **shape) is None]
 
 
+def unavailable(device_type: str) -> Dict[str, List[str]]:
+    """Why registered implementations for this device cannot run here (a failed CUDA build, a
+    missing library): {reason: ["op=name", ...]}, for the launcher to say once at start."""
+    _load_builtin()
+    found: Dict[str, List[str]] = {}
+    for op, impls in KERNELS.items():
+        for k in impls.values():
+            if device_type in k.auto_devices:
+                reason = k.available()
+                if reason:
+                    found.setdefault(reason, []).append(f"{op}={k.name}")
+    return found
+
+
 def implementation(op: str, name: str) -> Kernel:
     """The implementation registered under `name` (no availability check: `select` does that
     once at start); the model resolves `model.attention` here, from the table `auto` picks from."""

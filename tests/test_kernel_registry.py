@@ -128,3 +128,15 @@ def test_torch_rms_norm_and_swiglu_keep_only_their_inputs(dtype):
     for a, b in zip(torch.autograd.grad(got, (gate, up), grad),
                     torch.autograd.grad(want, (gate, up), grad)):
         assert torch.equal(a, b)  # the same ops autograd runs for the reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons on a CPU-only machine")
+def test_why_gpu_implementations_cannot_run_is_collected_for_the_start_line():
+    from dr_scale.kernels.registry import unavailable
+
+    found = unavailable("cuda")
+    assert sorted(found["needs a CUDA device"]) == sorted(
+        ["attention=sdpa_flash", "attention=sdpa_cudnn", "rms_norm=cuda_fused",
+         "layer_norm=cuda_fused", "swiglu=cuda_fused", "bias_gelu=cuda_fused",
+         "rotary=cuda_fused"])
+    assert unavailable("cpu").get("needs a CUDA device") is None
