@@ -41,13 +41,16 @@ def check_op(fast, ref, inputs, dtype, pol, name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_fused_ops(dtype):
+@pytest.mark.parametrize("rows, cols", [((3, 37), 1000),    # scalar path (1000 not a pack multiple)
+                                        ((4, 300), 4096),   # 128-bit packs, several rows a block
+                                        ((2, 5), 8192)])    # the most packs a thread holds
+def test_cuda_fused_ops(dtype, rows, cols):
     from dr_scale.kernels import cuda
 
     dev = "cuda"
-    x = torch.randn(3, 37, 1000, device=dev, dtype=dtype)
-    w = (1 + 0.1 * torch.randn(1000, device=dev)).to(dtype)
-    b = (0.1 * torch.randn(1000, device=dev)).to(dtype)
+    x = torch.randn(*rows, cols, device=dev, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(cols, device=dev)).to(dtype)
+    b = (0.1 * torch.randn(cols, device=dev)).to(dtype)
     check_op(lambda x, w: cuda.rms_norm(x, w, 1e-5), lambda x, w: reference.rms_norm(x, w, 1e-5),
              [x, w], dtype, policy.NORM, "rms_norm")
     check_op(lambda x, w, b: cuda.layer_norm(x, w, b, 1e-5),
@@ -57,6 +60,8 @@ def test_cuda_fused_ops(dtype):
     check_op(cuda.swiglu, reference.swiglu, [g, u], dtype, policy.ELEMENTWISE, "swiglu")
     check_op(cuda.bias_gelu, reference.bias_gelu, [g, b[:704]], dtype, policy.ELEMENTWISE,
              "bias_gelu")
+    check_op(cuda.swiglu, reference.swiglu, [x, x.flip(0)], dtype, policy.ELEMENTWISE, "swiglu")
+    check_op(cuda.bias_gelu, reference.bias_gelu, [x, b], dtype, policy.ELEMENTWISE, "bias_gelu")
     cos, sin = reference.rotary_tables(45, 64, 10000.0, device=dev)
     q = torch.randn(2, 4, 45, 64, device=dev, dtype=dtype)
     check_op(lambda q: cuda.apply_rotary(q, cos, sin), lambda q: reference.apply_rotary(q, cos, sin),

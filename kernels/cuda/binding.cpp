@@ -56,8 +56,6 @@ void ok(cudaError_t e) { TORCH_CHECK(e == cudaSuccess, "dr_scale cuda kernel: ",
 
 cudaStream_t as_stream(int64_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
-constexpr int64_t kRowChunk = 512;  // matches norms.cu
-
 std::vector<torch::Tensor> rms_norm_fwd(torch::Tensor x, torch::Tensor w, double eps, int64_t stream) {
   const char* op = "rms_norm";
   check(op, x, "x", x); check(op, w, "weight", x);
@@ -79,11 +77,12 @@ std::vector<torch::Tensor> rms_norm_bwd(torch::Tensor dy, torch::Tensor x, torch
   check_vector(op, w, "weight", cols);
   check_stats(op, rstd, "rstd", x, rows);
   auto dx = torch::empty_like(x);
-  auto partial = torch::empty({(rows + kRowChunk - 1) / kRowChunk, cols},
+  const int64_t per_block = dr_norm_bwd_rows_per_block(rows);
+  auto partial = torch::empty({(rows + per_block - 1) / per_block, cols},
                               x.options().dtype(torch::kFloat32));
   ok(dr_rms_norm_bwd(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
                      rstd.data_ptr<float>(), dx.data_ptr(), partial.data_ptr<float>(), rows,
-                     cols, as_stream(stream)));
+                     cols, per_block, as_stream(stream)));
   return {dx, partial.sum(0).to(w.scalar_type())};
 }
 
@@ -112,11 +111,13 @@ std::vector<torch::Tensor> layer_norm_bwd(torch::Tensor dy, torch::Tensor x, tor
   check_stats(op, mean, "mean", x, rows); check_stats(op, rstd, "rstd", x, rows);
   auto dx = torch::empty_like(x);
   auto opts = x.options().dtype(torch::kFloat32);
-  auto dw = torch::empty({(rows + kRowChunk - 1) / kRowChunk, cols}, opts);
+  const int64_t per_block = dr_norm_bwd_rows_per_block(rows);
+  auto dw = torch::empty({(rows + per_block - 1) / per_block, cols}, opts);
   auto db = torch::empty_like(dw);
   ok(dr_layer_norm_bwd(dtype_code(x), dy.data_ptr(), x.data_ptr(), w.data_ptr(),
                        mean.data_ptr<float>(), rstd.data_ptr<float>(), dx.data_ptr(),
-                       dw.data_ptr<float>(), db.data_ptr<float>(), rows, cols, as_stream(stream)));
+                       dw.data_ptr<float>(), db.data_ptr<float>(), rows, cols, per_block,
+                       as_stream(stream)));
   return {dx, dw.sum(0).to(w.scalar_type()), db.sum(0).to(w.scalar_type())};
 }
 

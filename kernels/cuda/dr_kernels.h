@@ -12,10 +12,12 @@ extern "C" {
 // RMSNorm over the last dimension: y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps).
 cudaError_t dr_rms_norm_fwd(int dtype, const void* x, const void* w, void* y, float* rstd,
                             int64_t rows, int64_t cols, float eps, cudaStream_t stream);
-// dx per row; dw_partial[(rows + 511) / 512, cols] fp32, to be summed over its first dim.
+// dx per row; dw_partial[ceil(rows / rows_per_block), cols] fp32, to be summed over its first
+// dim. rows_per_block: dr_norm_bwd_rows_per_block(rows) (set by the device's SM count).
+int64_t dr_norm_bwd_rows_per_block(int64_t rows);
 cudaError_t dr_rms_norm_bwd(int dtype, const void* dy, const void* x, const void* w,
                             const float* rstd, void* dx, float* dw_partial, int64_t rows,
-                            int64_t cols, cudaStream_t stream);
+                            int64_t cols, int64_t rows_per_block, cudaStream_t stream);
 
 // LayerNorm over the last dimension (w and b may not be null).
 cudaError_t dr_layer_norm_fwd(int dtype, const void* x, const void* w, const void* b, void* y,
@@ -23,7 +25,8 @@ cudaError_t dr_layer_norm_fwd(int dtype, const void* x, const void* w, const voi
                               cudaStream_t stream);
 cudaError_t dr_layer_norm_bwd(int dtype, const void* dy, const void* x, const void* w,
                               const float* mean, const float* rstd, void* dx, float* dw_partial,
-                              float* db_partial, int64_t rows, int64_t cols, cudaStream_t stream);
+                              float* db_partial, int64_t rows, int64_t cols,
+                              int64_t rows_per_block, cudaStream_t stream);
 
 // SwiGLU: y = silu(gate) * up, elementwise over n values.
 cudaError_t dr_swiglu_fwd(int dtype, const void* gate, const void* up, void* y, int64_t n,
