@@ -175,3 +175,19 @@ def test_auto_measures_and_keeps_only_passing_kernels(tmp_path, monkeypatch):
     for op, name in chosen.items():
         row = next(r for r in table if r.op == op and r.name == name)
         assert row.error <= 1.0 and row.ms > 0
+
+
+def test_flash_attention_past_two_billion_elements():
+    """Batch and head offsets in 64 bits: q, k, v of 2.28e9 elements each (bf16, 4.6 GB), the
+    last batch element checked against SDPA (it is where 32-bit offsets wrapped)."""
+    import torch.nn.functional as F
+
+    from dr_scale.kernels import flash_attention
+
+    b, h, s, d = 17, 32, 32768, 128
+    assert b * h * s * d > 2 ** 31
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        out = flash_attention(q, k, v, causal=True)
+        want = F.scaled_dot_product_attention(q[-1:, :2], k[-1:, :2], v[-1:, :2], is_causal=True)
+    close(out[-1:, :2], want, torch.bfloat16, policy.ATTENTION, "last batch element")

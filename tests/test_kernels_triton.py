@@ -133,3 +133,61 @@ def test_tiny_model_trains_with_triton_kernels_like_sdpa(cache_dir, tmp_path):
     rtol = policy.ATTENTION.tol(torch.float32).rtol
     for a, b in zip(losses["triton"], losses["sdpa"]):
         assert abs(a - b) <= rtol * abs(b), (losses["triton"], losses["sdpa"])
+
+
+def _attention_grads(q, k, v, do, causal=True, doc_ids=None):
+    out = flash_attention(q, k, v, causal=causal, doc_ids=doc_ids)
+    out.backward(do)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = reference.attention(q32, k32, v32, causal=causal, doc_ids=doc_ids)
+    ref.backward(do.float())
+    return out, ref, (q.grad, k.grad, v.grad), (q32.grad, k32.grad, v32.grad)
+
+
+@pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("sq, sk, causal, docs", [(70, 70, True, False), (40, 90, True, False),
+                                                  (90, 40, True, False), (70, 70, False, False),
+                                                  (96, 96, True, True)])
+def test_unequal_query_and_key_blocks(blocks, sq, sk, causal, docs, monkeypatch):
+    """BLOCK_M != BLOCK_N both ways: the split between unmasked and edge blocks (forward, dK/dV,
+    dQ), with lengths that end mid-block, unequal query and key lengths, and documents."""
+    from dr_scale.kernels.triton import attention_kernels as fa
+
+    monkeypatch.setattr(fa, "INTERPRET_BLOCKS", blocks)
+    g = torch.Generator().manual_seed(sq + sk)
+    q = torch.randn(2, 4, sq, 32, generator=g).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(2, 2, sk, 32, generator=g).to(DEVICE).requires_grad_() for _ in range(2))
+    do = torch.randn(2, 4, sq, 32, generator=g).to(DEVICE)
+    doc_ids = None
+    if docs:  # documents of 30, 41 and 25 tokens; the second row one document
+        doc_ids = torch.tensor([[0] * 30 + [1] * 41 + [2] * 25, [0] * 96],
+                               dtype=torch.int32, device=DEVICE)
+    out, ref, grads, want = _attention_grads(q, k, v, do, causal, doc_ids)
+    assert_close(out, ref, torch.float32, policy.ATTENTION, "output")
+    for name, got, exp in zip(("dq", "dk", "dv"), grads, want):
+        assert_close(got, exp, torch.float32, policy.ATTENTION, name)
+
+
+def test_strided_inputs_are_read_in_place():
+    """q, k, v as the model makes them: (batch, seq, heads, head_dim) projections transposed.
+    The kernel keeps the views (no copies saved for backward) and its output keeps their layout,
+    so transposing back is free; values and gradients equal the reference."""
+    g = torch.Generator().manual_seed(5)
+    b, s, h, kvh, d = 2, 37, 4, 2, 32
+    qkv = torch.randn(b, s, h + 2 * kvh, d, generator=g).to(DEVICE).requires_grad_()
+    q, k, v = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h:h + kvh].transpose(1, 2), \
+        qkv[:, :, h + kvh:].transpose(1, 2)
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v, causal=True)
+    saved = out.grad_fn.saved_tensors[:3]
+    assert [t.data_ptr() for t in saved] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    assert out.transpose(1, 2).is_contiguous()  # (b, s, h, d) as the output projection wants
+    do = torch.randn(b, h, s, d, generator=g).to(DEVICE)
+    out.backward(do)
+    ref_in = qkv.detach().clone().requires_grad_()
+    rq, rk, rv = ref_in[:, :, :h].transpose(1, 2), ref_in[:, :, h:h + kvh].transpose(1, 2), \
+        ref_in[:, :, h + kvh:].transpose(1, 2)
+    ref = reference.attention(rq, rk, rv, causal=True)
+    ref.backward(do)
+    assert_close(out, ref, torch.float32, policy.ATTENTION, "output")
+    assert_close(qkv.grad, ref_in.grad, torch.float32, policy.ATTENTION, "d(qkv)")

@@ -33,7 +33,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, scale, doc_ids):
         from dr_scale.kernels.triton import attention_kernels as fa
 
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = (fa.head_dim_contiguous(t) for t in (q, k, v))  # strided views in place
         o, lse = fa.forward(q, k, v, causal, scale, doc_ids)
         ctx.save_for_backward(q, k, v, o, lse, doc_ids)
         ctx.causal, ctx.scale = causal, scale
