@@ -1,7 +1,7 @@
 """Registration of every implementation shipped here, per op, best first:
 fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > torch (reference.py,
-or a torch form of it that keeps the input dtype where the policy allows; RMSNorm and SwiGLU from
-lean_torch.py, the same forward keeping only its inputs for backward).
+or a torch form of it that keeps the input dtype where the policy allows; RMSNorm, LayerNorm and
+SwiGLU from lean_torch.py, the same forward keeping only its inputs for backward).
 """
 import torch
 import torch.nn.functional as F
@@ -162,7 +162,7 @@ def layer_norm_apex(x, weight, bias, eps):
 
 
 register_kernel("layer_norm", "torch", priority=TORCH, devices=ANY,
-                policy=P.NORM)(reference.layer_norm)
+                policy=P.NORM)(lean_torch.layer_norm)
 
 
 # -- activations and rotary ----------------------------------------------------------------------

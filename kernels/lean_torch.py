@@ -1,5 +1,5 @@
-"""The torch implementations of RMSNorm and SwiGLU, computing what reference.py computes but
-keeping only their inputs for the backward pass.
+"""The torch implementations of RMSNorm, LayerNorm and SwiGLU, computing what reference.py
+computes but keeping only their inputs (and per-row norm statistics) for the backward pass.
 
 Written out as autograd functions because autograd, running reference.py's formulas, keeps every
 intermediate its backward formulas read: RMSNorm's fp32 copy of the input and its fp32 normalized
@@ -55,3 +55,34 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLU.apply(gate, up)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """torch's own LayerNorm kernels in fp32 (native_layer_norm and its backward, the ops
+    autograd runs for reference.layer_norm), keeping the input in its dtype and the fp32 mean and
+    reciprocal std per row instead of autograd's fp32 copy of the input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float):
+        shape = x.shape[-1:]
+        w32 = weight.float()
+        b32 = None if bias is None else bias.float()
+        out, mean, rstd = torch.native_layer_norm(x.float(), shape, w32, b32, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                bias is not None and ctx.needs_input_grad[2])
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad_out.float(), x.float(), x.shape[-1:], mean, rstd, weight.float(),
+            None if bias is None else bias.float(), list(want))
+        return (None if dx is None else dx.to(x.dtype),
+                None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), None)
+
+
+def layer_norm(x, weight, bias, eps: float) -> torch.Tensor:
+    return _LayerNorm.apply(x, weight, bias, eps)

@@ -130,6 +130,30 @@ def test_torch_rms_norm_and_swiglu_keep_only_their_inputs(dtype):
         assert torch.equal(a, b)  # the same ops autograd runs for the reference
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_layer_norm_keeps_its_input_and_row_statistics(dtype):
+    """The registered torch LayerNorm (kernels/lean_torch.py): the reference's output and
+    gradients bit for bit (torch's own LayerNorm kernels, as autograd runs them), keeping the
+    input and two fp32 statistics per row (the reference keeps an fp32 copy of a 16-bit input)."""
+    from dr_scale.kernels.registry import implementation
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 33, 256, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(256)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(256)).to(dtype).requires_grad_()
+    fn = implementation("layer_norm", "torch").fn
+    got, kept = _new_bytes_saved(lambda x, w, b: fn(x, w, b, 1e-5), x, w, b)
+    want, ref_kept = _new_bytes_saved(lambda x, w, b: reference.layer_norm(x, w, b, 1e-5), x, w, b)
+    assert torch.equal(got, want)
+    assert kept == 2 * 2 * 33 * 4  # mean and rstd per row
+    if dtype == torch.bfloat16:
+        assert ref_kept >= 4 * x.numel()  # the fp32 copy of the input
+    grad = torch.randn_like(got)
+    for a, c in zip(torch.autograd.grad(got, (x, w, b), grad),
+                    torch.autograd.grad(want, (x, w, b), grad)):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reasons on a CPU-only machine")
 def test_why_gpu_implementations_cannot_run_is_collected_for_the_start_line():
     from dr_scale.kernels.registry import unavailable

@@ -78,3 +78,22 @@ def test_chunk_rule_bounds_the_logits_and_zero_keeps_them_whole():
     assert chunk_tokens(10 ** 9) == 16  # never below 16 tokens
     assert resolve_shape(ModelConfig(preset="llama_1b")).loss_chunk == 512
     assert resolve_shape(ModelConfig(preset="tiny", loss_chunk_tokens=0)).loss_chunk == 0
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_vocabulary_parallel_fused_loss_equals_the_whole_logits(tmp_path, dtype, tol):
+    """Two ranks, each with its slice of the head (51 and 50 of 101 rows), the loss chunked 8
+    tokens at a time with ignored tokens: the loss, the hidden states' gradient (the slices'
+    shares summed by DeepSpeed's ColumnParallel) and each slice's weight gradient equal the
+    single-process whole-logits cross-entropy (fp32: 1e-5; bf16: the cross-entropy policy)."""
+    import json
+
+    from tests.conftest import run_rank_script
+
+    run_rank_script("vocab_parallel_loss.py", tmp_path, dtype, timeout=120)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"result.{rank}").read_text())
+        assert abs(r["loss"] - r["ref"]) <= tol * abs(r["ref"])
+        for got, want in (("grad_h", "ref_grad_h"), ("grad_w", "ref_grad_w")):
+            a, b = torch.tensor(r[got]), torch.tensor(r[want])
+            assert (a - b).abs().max() <= tol * b.abs().max(), (rank, got)

@@ -42,10 +42,16 @@ class ModelShape:
     @property
     def loss_chunk(self) -> int:
         """Tokens per chunk of the fused LM head + cross-entropy; 0: logits kept whole."""
+        return self.loss_chunk_for(self.vocab_size)
+
+    def loss_chunk_for(self, rows: int) -> int:
+        """The same for a head of `rows` vocabulary rows (a vocabulary-parallel slice: narrower,
+        so larger chunks and fewer all-reduces): model.loss_chunk_tokens where set, else as many
+        tokens as keep the chunk's fp32 logits within the budget (models/lm_head.py)."""
         if self.loss_chunk_tokens is None:
             from dr_scale.models.lm_head import chunk_tokens
 
-            return chunk_tokens(self.vocab_size)
+            return chunk_tokens(rows)
         return self.loss_chunk_tokens
 
     def weights_signature(self) -> dict:

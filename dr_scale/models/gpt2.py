@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss, init_weights
-from dr_scale.models.lm_head import LMHead
+from dr_scale.models.lm_head import LMHead, fuses_loss
 from dr_scale.models.spec import ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
@@ -47,7 +47,7 @@ class GPT2LMHeadModel(nn.Module):
         for block in self.h:
             x = block(x, doc_ids)
         x = self.ln_f(x)
-        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.fuses_loss():
+        if labels is not None and fuses_loss(self.lm_head):
             return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
         logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
         if labels is None:

@@ -10,7 +10,7 @@ from torch import nn
 from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import (RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss,
                                     init_weights)
-from dr_scale.models.lm_head import LMHead
+from dr_scale.models.lm_head import LMHead, fuses_loss
 from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import HFFormat, ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
@@ -63,7 +63,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rotary, doc_ids)
         x = self.model.norm(x)
-        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.fuses_loss():
+        if labels is not None and fuses_loss(self.lm_head):
             return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
         logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
         if labels is None:

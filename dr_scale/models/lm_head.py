@@ -13,7 +13,8 @@ Why not a library's: Liger-Kernel's FusedLinearCrossEntropy does this in Triton 
 torch has no fused op. This is plain torch, so it runs on every device and under ZeRO-3 (the
 head's weight is gathered by the module's forward hooks, which is why the loss is computed inside
 `LMHead.forward`). Under tensor parallelism DeepSpeed replaces the head by its vocabulary-parallel
-layer and the model falls back to logits and DeepSpeed's vocabulary-parallel loss; a pipeline's
+layer, which computes the same fused loss over its slice of the vocabulary (the softmax's maxima
+and sums all-reduced over the tensor group per chunk: fuse_vocab_parallel_head); a pipeline's
 last stage computes logits and then its loss (parallel/pipeline.py).
 """
 import torch
@@ -32,7 +33,8 @@ def chunk_tokens(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int):
+    def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None,
+                vocab_start: int = 0):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         counted = y != ignore_index
@@ -48,18 +50,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h.shape[0], chunk):
             hc, yc, keep = h[start:start + chunk], y[start:start + chunk], counted[start:start + chunk]
             logits = (hc @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target = yc.masked_fill(~keep, 0)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((lse - picked) * keep).sum()
-            if not (want_h or want_w):
-                continue
-            # d(mean loss)/d(logits) = (softmax - one_hot) / n, in place over the chunk's logits
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(len(yc), device=grad.device), target] -= 1.0
+            if group is None:
+                target = yc.masked_fill(~keep, 0)
+                picked = logits.gather(1, target[:, None]).squeeze(1)
+                lse = torch.logsumexp(logits, dim=-1)
+                total += ((lse - picked) * keep).sum()
+                if not (want_h or want_w):
+                    continue
+                # d(mean loss)/d(logits) = (softmax - one_hot) / n, in place over the logits
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(len(yc), device=grad.device), target] -= 1.0
+            else:
+                grad, target, mine = _slice_softmax(logits, yc, keep, vocab_start, group, total)
+                if not (want_h or want_w):
+                    continue
+                grad[mine.nonzero().squeeze(1), target[mine]] -= 1.0  # targets in this slice
             grad.mul_((keep.to(grad.dtype) / n)[:, None])
             grad = grad.to(weight.dtype)
-            if want_h:
+            if want_h:  # under TP, this slice's share: the caller's ColumnParallel sums them
                 torch.mm(grad, weight, out=grad_h[start:start + chunk])
             if want_w:
                 if hc.dtype == grad_w.dtype:
@@ -77,13 +85,73 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # in place: the kept gradients are this function's own (no second copy of V x d)
         return (None if grad_h is None else grad_h.mul_(grad_out.to(grad_h.dtype)),
                 None if grad_w is None else grad_w.mul_(grad_out.to(grad_w.dtype)),
-                None, None, None)
+                None, None, None, None, None)
 
 
-def linear_cross_entropy(hidden, weight, labels, chunk: int, ignore_index: int = IGNORE_INDEX):
+def _slice_softmax(logits, labels, keep, vocab_start: int, group, total):
+    """A chunk's softmax over the whole vocabulary from this rank's slice of it (the columns
+    [vocab_start, vocab_start + slice)): the row maxima and then the exp-sums and target logits
+    summed over the tensor group, two small all-reduces a chunk. Adds the chunk's loss to `total`;
+    returns the softmax slice (in place of `logits`), the targets' local columns and which rows'
+    targets fall in this slice."""
+    from dr_scale import comm
+
+    width = logits.shape[1]
+    local = labels - vocab_start
+    mine = keep & (local >= 0) & (local < width)
+    target = local.clamp(0, width - 1)
+    row_max = logits.max(dim=-1).values
+    comm.all_reduce(row_max, "max", group=group)
+    sums = torch.stack([torch.zeros_like(row_max),
+                        logits.gather(1, target[:, None]).squeeze(1) * mine])
+    probs = logits.sub_(row_max[:, None]).exp_()
+    sums[0] = probs.sum(dim=-1)
+    comm.all_reduce(sums, group=group)
+    lse = row_max + sums[0].log()
+    total += ((lse - sums[1]) * keep).sum()
+    return probs.div_(sums[0][:, None]), target, mine
+
+
+def linear_cross_entropy(hidden, weight, labels, chunk: int, ignore_index: int = IGNORE_INDEX,
+                         group=None, vocab_start: int = 0):
     """Mean cross-entropy (fp32) of `hidden @ weight.T` against `labels`, `chunk` tokens at a
-    time; tokens labelled `ignore_index` are left out of the mean."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, ignore_index)
+    time; tokens labelled `ignore_index` are left out of the mean. With a tensor `group`,
+    `weight` is this rank's rows [vocab_start, ...) of a vocabulary-parallel head: the loss is
+    the whole vocabulary's, and the hidden states' gradient this slice's share (sum it over the
+    group: DeepSpeed's ColumnParallel does, in fuse_vocab_parallel_head)."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, ignore_index, group,
+                                     vocab_start)
+
+
+def fuses_loss(head) -> bool:
+    """Whether the model hands `head` its labels for the fused loss (ours with a chunk, or
+    DeepSpeed's vocabulary-parallel head after fuse_vocab_parallel_head)."""
+    if isinstance(head, LMHead):
+        return head.fuses_loss()
+    return getattr(head, "dr_loss_chunk", 0) > 0
+
+
+def fuse_vocab_parallel_head(head, chunk: int, input_grads_summed: bool = False):
+    """Make DeepSpeed's vocabulary-parallel head (a column-parallel slice of the vocabulary)
+    compute the fused chunked loss when given labels: no rank then holds its logits slice for
+    the whole micro-batch. The forward is replaced on the instance, so the module's hooks (ZeRO-3
+    gathering its weight, sequence parallelism gathering its input) still run around it; given no
+    labels it is the forward it had. `input_grads_summed`: the caller's collective already sums
+    the input's gradient over the group (sequence parallelism's gather); else DeepSpeed's
+    ColumnParallel does."""
+    from deepspeed.module_inject.layers import ColumnParallel
+
+    plain = head.forward
+
+    def forward(x, labels=None):
+        if labels is None:
+            return plain(x)
+        if not input_grads_summed:
+            x = ColumnParallel.apply(head.mp_group, x)
+        return linear_cross_entropy(x, head.weight, labels, chunk, group=head.mp_group,
+                                    vocab_start=head.vocab_start_index)
+    head.forward = forward
+    head.dr_loss_chunk = chunk
 
 
 class LMHead(nn.Linear):

@@ -36,8 +36,6 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from torch import nn
-
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
 
@@ -110,14 +108,13 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
     return sharded, replicated
 
 
-def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -> float:
+def activation_bytes_per_token_layer(shape, bytes_per: int) -> float:
     """Tensors one decoder block keeps for backward, per token (see module doc)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     kv = shape.num_kv_heads * shape.head_dim
-    # two norms: fused kernels and the torch RMSNorm (kernels/lean_torch.py) keep their input;
-    # the torch LayerNorm (reference.py) an fp32 copy of it and its fp32 normalized output
-    layer_norm = any(isinstance(m, nn.LayerNorm) for m in _meta_model(shape).modules())
-    norms = 2 * (8 * h if layer_norm and not fused_norms else bytes_per * h)
+    # two norms: the fused kernels and the torch RMSNorm and LayerNorm (kernels/lean_torch.py)
+    # keep their input (and per-row statistics, negligible)
+    norms = 2 * bytes_per * h
     attention = bytes_per * (h + (h + 2 * kv) + h + h)  # block input, q/k/v, output, o_proj input
     # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
     # output, gelu output
@@ -126,16 +123,18 @@ def activation_bytes_per_token_layer(shape, bytes_per: int, fused_norms: bool) -
 
 
 def loss_bytes(shape, tokens: int, lp: int, fused: bool, slices: int = 1) -> float:
-    """The LM head's output and the loss's transients. Fused (models/lm_head.py): one chunk's
-    fp32 logits and their 16/32-bit gradient, the weight gradient summed in fp32 (and its cast
-    to 16 bits at the end under mixed precision) and the hidden states' gradient. Whole: the logits, their fp32 log-softmax and fp32 gradient, a
-    vocabulary-parallel head holding its slice of each."""
-    v, d = shape.vocab_size, shape.hidden_size
-    if fused and shape.loss_chunk > 0:
-        chunk = min(shape.loss_chunk, tokens)
+    """The LM head's output and the loss's transients, for a head of `slices` vocabulary slices
+    (vocabulary-parallel) or whole. Fused (models/lm_head.py): one chunk's fp32 logits of the
+    slice and their 16/32-bit gradient, the slice's weight gradient summed in fp32 (and its cast
+    to 16 bits at the end under mixed precision) and the hidden states' gradient. Whole: the
+    logits, their fp32 log-softmax and fp32 gradient."""
+    v, d = -(-shape.vocab_size // slices), shape.hidden_size
+    chunk = shape.loss_chunk_for(v)
+    if fused and chunk > 0:
+        chunk = min(chunk, tokens)
         weight_grad = v * d * (4 + (lp if lp < 4 else 0))
         return chunk * v * (4 + lp) + weight_grad + tokens * d * lp
-    return tokens * v * (lp + 4 + 4) / slices
+    return tokens * v * (lp + 4 + 4)
 
 
 def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, world: int,
@@ -171,7 +170,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         host, optimizer, gradients = optimizer + grads_fp32, 0, grads_lp
 
     tokens = micro_batch * seq_length
-    per_layer = activation_bytes_per_token_layer(shape, lp, device_type == "cuda") * tokens
+    per_layer = activation_bytes_per_token_layer(shape, lp) * tokens
     layers = shape.num_layers / pp
     if checkpointing == "full":
         # checkpointed blocks keep only their input; one block is live again during its backward
@@ -182,8 +181,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         acts = layers * (per_layer - attn / max(1, checkpoint_every))
     else:
         acts = layers * per_layer
-    logits = loss_bytes(shape, tokens, lp, fused=pp == 1 and not vocab_parallel,
-                        slices=tp if vocab_parallel else 1)
+    logits = loss_bytes(shape, tokens, lp, fused=pp == 1, slices=tp if vocab_parallel else 1)
     activations = acts / tp + logits
     if zero_stage >= 2 and contiguous_gradients:
         buffers = reduce_bucket * lp
@@ -204,7 +202,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         startup = runtime + n * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
-    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1 and not vocab_parallel,
+    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1,
                                         slices=tp if vocab_parallel else 1)
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
                                             buffers, runtime, host, total, startup,
@@ -230,16 +228,18 @@ def export_bytes(shape, zero_stage: int, tp: int = 1, pp: int = 1) -> int:
 def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1):
     """(bytes, what) of the largest single tensor a rank allocates: a parameter made whole in
     fp32 at start-up (models/layers.py initial_value, every build), or the loss's: one chunk of
-    fp32 logits and the head's fp32 weight gradient (fused), the fp32 logits (whole)."""
-    v, d = shape.vocab_size, shape.hidden_size
+    fp32 logits and the head's fp32 weight gradient (fused), the fp32 logits (whole); of this
+    rank's vocabulary slice under a vocabulary-parallel head."""
+    v, d = -(-shape.vocab_size // slices), shape.hidden_size
     candidates = [(largest_tensor(shape) * 4, "the largest parameter made whole in fp32 at "
                                               "start-up")]
-    if fused and shape.loss_chunk > 0:
-        chunk = min(shape.loss_chunk, tokens)
+    chunk = shape.loss_chunk_for(v)
+    if fused and chunk > 0:
+        chunk = min(chunk, tokens)
         candidates += [(chunk * v * 4, f"one chunk of fp32 logits ({chunk} tokens)"),
                        (v * d * 4, "the LM head's fp32 weight gradient")]
     else:
-        candidates.append((tokens * v * 4 / slices, "the fp32 logits of a micro-batch"))
+        candidates.append((tokens * v * 4, "the fp32 logits of a micro-batch"))
     return max(candidates)
 
 

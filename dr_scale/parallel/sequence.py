@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from dr_scale import comm
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
+from dr_scale.models.lm_head import fuse_vocab_parallel_head, fuses_loss
 
 SEQ = 1  # (batch, sequence, hidden)
 
@@ -139,6 +140,8 @@ def apply(model, arch: str) -> int:
     for name, m in modules.items():
         if isinstance(m, VocabParallelLinear):  # its input arrives gathered (hook below), whose
             m.forward = _local_forward(m)       # backward already sums over the group
+            if fuses_loss(m):
+                fuse_vocab_parallel_head(m, m.dr_loss_chunk, input_grads_summed=True)
         elif isinstance(m, LinearAllreduce):
             m.forward = _row_forward(m)
         elif isinstance(m, LinearLayer):

@@ -5,8 +5,10 @@ The plan names the model's linears by pattern: Megatron-style column-parallel fo
 that fan out (q, k, v, gate, up, fc_in) and row-parallel for those that write back into the
 residual stream (o, down, fc_out), one all-reduce per attention and per MLP block. With
 `parallel.vocab_parallel` (the default) the LM head is split by vocabulary rows, the embedding
-tied to it shares that slice, and the loss is DeepSpeed's vocabulary-parallel cross-entropy
-(installed as the model's `loss_function`): no rank holds the whole (tokens x vocabulary) logits.
+tied to it shares that slice, and the loss is the fused chunked loss over the slice
+(models/lm_head.py fuse_vocab_parallel_head; with model.loss_chunk_tokens=0, DeepSpeed's
+vocabulary-parallel cross-entropy on the slice's logits, installed as the model's
+`loss_function`): no rank holds the whole (tokens x vocabulary) logits.
 An untied input embedding and the norms stay replicated. The model itself is untouched:
 attention infers its local head count from the projection's output width.
 
@@ -25,6 +27,7 @@ DeepSpeed's checkpoints, and megatron-core's layers want its CUDA RNG tracker fo
 """
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
+from dr_scale.models.lm_head import fuse_vocab_parallel_head
 
 def check_divisible(shape, tp: int):
     for key, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
@@ -70,7 +73,10 @@ def shard_model(model, shape, tp: int, vocab_parallel: bool):
     if vocab_parallel:
         if len(heads) != 1:  # the plan names one head; DeepSpeed's loss needs exactly one
             raise RuntimeError(f"vocab_parallel: {len(heads)} vocabulary-parallel heads")
-        configure_vocab_parallel_loss(model, heads[0], backend="torch")
+        configure_vocab_parallel_loss(model, heads[0], backend="torch")  # the logits path
+        chunk = shape.loss_chunk_for(max(heads[0]._partition_sizes))
+        if chunk:
+            fuse_vocab_parallel_head(heads[0], chunk)
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, collect_autotp_universal_checkpoint_info(model))
     model.ds_autotp_parsed = True
 

@@ -1,0 +1,53 @@
+"""Run by tests/test_lm_head.py on 2 ranks (torch.multiprocessing, gloo): the fused loss over a
+vocabulary-parallel head (uneven slices of 101 rows), several chunks and ignored tokens, against
+the whole-logits loss on one process. Each rank writes its loss, hidden-state gradient and its
+slice's weight gradient, and the reference's."""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rank_result import write_and_leave
+
+
+def rank_main(rank, port, out, dtype_name):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    import deepspeed
+    from deepspeed.module_inject.layers import ColumnParallel
+
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False)  # ColumnParallel asks it
+
+    from dr_scale.models.lm_head import linear_cross_entropy
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    vocab, d, tokens = 101, 16, 37
+    hidden = torch.randn(tokens, d, generator=g)
+    weight = torch.randn(vocab, d, generator=g) * 0.5
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    labels[::5] = -100  # ignored
+    labels[1], labels[2] = 0, vocab - 1  # targets at both slices' edges
+    rows = [51, 50]
+    start = sum(rows[:rank])
+    group = dist.new_group([0, 1])
+
+    h = hidden.clone().to(dtype).requires_grad_()
+    w = weight[start:start + rows[rank]].clone().to(dtype).requires_grad_()
+    loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels, 8, group=group,
+                                vocab_start=start)
+    loss.backward()
+
+    rh, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(rh @ rw.t(), labels, ignore_index=-100)
+    ref.backward()
+    write_and_leave(f"{out}/result", rank, {
+        "loss": loss.item(), "ref": ref.item(),
+        "grad_h": h.grad.float().tolist(), "ref_grad_h": rh.grad.tolist(),
+        "grad_w": w.grad.float().tolist(),
+        "ref_grad_w": rw.grad[start:start + rows[rank]].tolist()})
+
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2)
