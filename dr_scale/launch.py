@@ -84,6 +84,8 @@ def run(args):
 
     sources = prepare_data(cfg, layout, run_dir if args.resume else None, resume_at)  # data
     shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)                  # model
+    shape = shape.settle_loss_chunk(cfg.train.micro_batch_size * cfg.data.seq_length,
+                                    topo.head_slices(cfg.parallel.vocab_parallel))
     if cfg.data.seq_length > shape.max_seq_length:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")

@@ -80,6 +80,19 @@ def test_chunk_rule_bounds_the_logits_and_zero_keeps_them_whole():
     assert resolve_shape(ModelConfig(preset="tiny", loss_chunk_tokens=0)).loss_chunk == 0
 
 
+def test_auto_fuses_only_a_micro_batch_larger_than_one_chunk():
+    """Settled per run: llama_1b (vocabulary 128,256: 512-token chunks) fuses 4 x 1,024 tokens
+    and keeps 2 x 256 whole; over 8 vocabulary slices (16,032 rows: 4,096-token chunks) 4,096
+    tokens stay whole and 8,192 fuse; a value given is kept as given."""
+    shape = resolve_shape(ModelConfig(preset="llama_1b"))
+    assert shape.settle_loss_chunk(4096).loss_chunk == 512
+    assert shape.settle_loss_chunk(512).loss_chunk == 0
+    assert shape.settle_loss_chunk(4096, slices=8).loss_chunk == 0
+    assert shape.settle_loss_chunk(8192, slices=8).loss_chunk == 4096
+    given = resolve_shape(ModelConfig(preset="llama_1b", loss_chunk_tokens=64))
+    assert given.settle_loss_chunk(16).loss_chunk == 64
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_vocabulary_parallel_fused_loss_equals_the_whole_logits(tmp_path, dtype, tol):
     """Two ranks, each with its slice of the head (51 and 50 of 101 rows), the loss chunked 8

@@ -97,7 +97,11 @@ def test_reference_learns(reference):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
-    got = run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4, "parallel.tensor_parallel=2")
+    """ZeRO-3 with the loss fused over each rank's vocabulary slice, 64 tokens a chunk (four
+    chunks of the 256-token micro-batch; the 1-rank reference computes whole logits)."""
+    chunks = ["model.loss_chunk_tokens=64"] if stage == 3 else []
+    got = run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4, "parallel.tensor_parallel=2",
+              *chunks)
     assert_same(got, reference)
     # Resuming it: the same layout loads directly; another TP size, or another number of ranks
     # (DeepSpeed's universal conversion would join row-parallel slices wrongly), is refused.
@@ -114,9 +118,10 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
 
 def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
     """TP 2 with sequence parallelism (norms and residuals on half the sequence each), with
-    selective recomputation on top: the collectives run again in the recomputed forward."""
+    selective recomputation on top: the collectives run again in the recomputed forward. The
+    loss fused over vocabulary slices, its input gathered by sequence parallelism."""
     assert_same(run(tmp_path, cache_dir, "tp2_sp", 1, 2, 4, "parallel.tensor_parallel=2",
-                    "parallel.sequence_parallel=true",
+                    "parallel.sequence_parallel=true", "model.loss_chunk_tokens=64",
                     "parallel.activation_checkpointing=selective"), reference)
 
 

@@ -152,6 +152,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     lp = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
     vocab_parallel = vocab_parallel and tp > 1 and pp == 1  # pipeline stages keep the head whole
+    shape = shape.settle_loss_chunk(micro_batch * seq_length, tp if vocab_parallel else 1)
     sharded, replicated = split_parameters(shape, tp, vocab_parallel)
     n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
     n /= pp  # a stage holds its share of the layers (balanced by parameters)

@@ -56,5 +56,10 @@ class Topology:
     def tensor_rank(self) -> int:
         return self.coords()["tensor"]
 
+    def head_slices(self, vocab_parallel: bool) -> int:
+        """Vocabulary slices of the LM head: the tensor group's size when parallel.vocab_parallel
+        applies (tensor parallel without pipeline stages, which keep the head whole), else 1."""
+        return self.tensor if vocab_parallel and self.tensor > 1 and self.pipeline == 1 else 1
+
     def describe(self) -> str:
         return f"DP {self.data} x TP {self.tensor} x PP {self.pipeline} = {self.world} rank(s)"
