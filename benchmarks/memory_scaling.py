@@ -28,20 +28,20 @@ from bench_results import write_results
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_args(preset, seq, ranks, vocab, layers=None):
+def run_args(preset, seq, ranks, vocab, layers=None, overrides=()):
     return [f"model.preset={preset}", f"model.vocab_size={vocab}", f"data.seq_length={seq}",
-            *([f"model.num_layers={layers}"] if layers else []),
+            *([f"model.num_layers={layers}"] if layers else []), *overrides,
             "train.micro_batch_size=1",
             f"train.global_batch_size={ranks}", "train.max_steps=3", "train.warmup_steps=1",
             "train.eval_at_start=false", "train.eval_interval=1000", "train.save_interval=1000",
             "train.log_interval=1", "logging.plot=false", "logging.tensorboard=false"]
 
 
-def measured(ds_config, preset, seq, ranks, vocab, layers, work, extra=()):
+def measured(ds_config, preset, seq, ranks, vocab, layers, work, overrides=()):
     run = Path(tempfile.mkdtemp(prefix=f"{Path(ds_config).stem}-{ranks}ranks-", dir=work)) / "run"
     cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(29500 + os.getpid() % 900),
            str(ROOT / "launchers" / "pretrain.py"), "--ds_config", ds_config, "--run_dir", str(run),
-           *run_args(preset, seq, ranks, vocab, layers), *extra]
+           *run_args(preset, seq, ranks, vocab, layers, overrides)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -57,10 +57,11 @@ def measured(ds_config, preset, seq, ranks, vocab, layers, work, extra=()):
             "run_dir": str(run)}
 
 
-def estimated(ds_config, preset, seq, ranks, vocab, layers) -> dict:
+def estimated(ds_config, preset, seq, ranks, vocab, layers, overrides=()) -> dict:
     proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "estimate", "--ds_config",
                            ds_config, "--ranks", str(ranks), "--device", "cpu", "--json",
-                           *run_args(preset, seq, ranks, vocab, layers)], capture_output=True,
+                           *run_args(preset, seq, ranks, vocab, layers, overrides)],
+                          capture_output=True,
                           text=True)
     if proc.returncode:
         raise SystemExit(proc.stderr)
@@ -100,12 +101,15 @@ def main(argv=None):
                     help="also run each config with ZeRO-3's stage3_max_live_parameters and "
                          "stage3_max_reuse_distance at this value (DeepSpeed's default 1e9 keeps "
                          "a model below 1e9 parameters gathered whole on every rank)")
+    ap.add_argument("--overrides", nargs="*", default=[],
+                    help="more key=value for every run and estimate (e.g. "
+                         "parallel.tensor_parallel=2)")
     ap.add_argument("--out", default="bench_out/memory_scaling")
     a = ap.parse_args(argv)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
     depth = f", {a.num_layers} layers" if a.num_layers else ""
-    print(f"memory scaling: {a.preset}{depth}, {' and '.join(a.ds_config)} on {a.ranks} rank(s), "
-          f"on {where}", flush=True)
+    print(f"memory scaling: {a.preset}{depth}, {' and '.join(a.ds_config)} on {a.ranks} rank(s)"
+          f"{' '.join([','] + a.overrides) if a.overrides else ''}, on {where}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-bench-", dir=os.environ.get("TMPDIR")) as work:
         configs = [(d, d) for d in a.ds_config]
@@ -114,9 +118,10 @@ def main(argv=None):
                          fewer_live(d, a.max_live_parameters, work)) for d in a.ds_config]
         for (label, ds_config), ranks in [(c, n) for c in configs for n in a.ranks]:
             row = measured(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
-                           work)
+                           work, a.overrides)
             row["ds_config"] = label
-            est = estimated(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers)
+            est = estimated(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
+                            a.overrides)
             per_rank = est["bytes_per_rank"]
             row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30

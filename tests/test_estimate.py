@@ -72,8 +72,14 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z0["startup_peak"] == pytest.approx(4 * n + 2 * 32000 * 4096, rel=1e-6)
     assert z3["startup_peak"] == pytest.approx(2 * n / 8 + 6 * 32000 * 4096, rel=1e-6)
     assert z3["peak"] == z3["total"] > z3["startup_peak"]
-    # TP and PP build on meta and make real this rank's slices only (bf16), one tensor whole
-    assert tp["startup_peak"] == pytest.approx(tp["parameters"] + 4 * 32000 * 4096, rel=1e-6)
+    # TP builds on meta and makes real this rank's slices only (bf16), one tensor whole in fp32
+    # and its cast; under ZeRO-3 each module's slices are partitioned over the data-parallel
+    # ranks as they are made: on 64 ranks (DP 8) an eighth of them
+    assert tp["startup_peak"] == pytest.approx(tp["parameters"] + 6 * 32000 * 4096, rel=1e-6)
+    tp_dp = estimate("zero3", 64, *big, "parallel.tensor_parallel=8", device="cuda")
+    assert tp_dp["parameters"] == pytest.approx(tp["parameters"] / 8, rel=1e-6)
+    assert tp_dp["startup_peak"] == pytest.approx(tp_dp["parameters"] + 6 * 32000 * 4096,
+                                                  rel=1e-6)
     # the largest single allocation: the embedding made whole in fp32 at start-up, the same size
     # as the fused head's fp32 weight gradient; unfused, the fp32 logits of a micro-batch of 2
     assert z3["largest_transient"] == 32000 * 4096 * 4

@@ -125,15 +125,20 @@ def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
                     "parallel.activation_checkpointing=selective"), reference)
 
 
-def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir):
-    """With full recomputation and DeepSpeed's partitioned activations: each tensor rank keeps
-    half of every block input and gathers it back for the recomputation."""
-    config = fp32_config(tmp_path, 2)
-    ds = json.loads(config.read_text())
-    ds["activation_checkpointing"] = {"partition_activations": True}
-    config.write_text(json.dumps(ds))
-    assert_same(run(tmp_path, cache_dir, "dp2_tp2_z2", 2, 4, 2, "parallel.tensor_parallel=2",
-                    "parallel.activation_checkpointing=full", ds_config=config), reference)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
+    """With full recomputation; under ZeRO-2 with DeepSpeed's partitioned activations (each
+    tensor rank keeps half of every block input and gathers it back for the recomputation;
+    refused with ZeRO-3). Under ZeRO-3 each module's slices are partitioned over the two
+    data-parallel ranks as they are made (sharded_build.zero3_partitioner)."""
+    config = fp32_config(tmp_path, stage)
+    if stage == 2:
+        ds = json.loads(config.read_text())
+        ds["activation_checkpointing"] = {"partition_activations": True}
+        config.write_text(json.dumps(ds))
+    assert_same(run(tmp_path, cache_dir, f"dp2_tp2_z{stage}", stage, 4, 2,
+                    "parallel.tensor_parallel=2", "parallel.activation_checkpointing=full",
+                    ds_config=config), reference)
 
 
 @pytest.mark.parametrize("data, tensor, micro", [(2, 1, 1), (1, 2, 2)])

@@ -198,6 +198,9 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     total = parameters + gradients + optimizer + activations + buffers + runtime
     if zero_stage == 3 and tp == 1 and pp == 1:  # built sharded: one tensor whole at a time
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
+    elif zero_stage == 3 and pp == 1:  # TP built on meta, each module's slices partitioned
+        #                                over the data-parallel ranks as they are made
+        startup = runtime + parameters + largest_tensor(shape) * (4 + lp)
     elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
         startup = runtime + n * lp + largest_tensor(shape) * 4

@@ -25,7 +25,7 @@ from dr_scale import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel import checkpointing, sequence
 from dr_scale.parallel.pipeline import to_pipeline
-from dr_scale.parallel.sharded_build import materialize
+from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
 from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_model
 from dr_scale.parallel.topology import Topology
 
@@ -83,5 +83,8 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path,
                             reset_positions=cfg.data.reset_positions, weights=weights,
                             dtype=dtype)
     else:  # (a pipeline makes its layers real as it builds them)
-        materialize(model, weights, dtype)
+        partition = None
+        if topo.tensor > 1 and dsc.zero_stage(ds) == 3:
+            partition = zero3_partitioner(ds, groups)
+        materialize(model, weights, dtype, partition)
     return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

@@ -49,15 +49,33 @@ def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
         return build_model(shape)
 
 
+def zero3_partitioner(ds: dict, mpu):
+    """For `materialize` under ZeRO-3 with tensor parallelism: each module's slices, as soon as
+    they are real, become ZeRO-3 parameters partitioned over the data-parallel group (DeepSpeed's
+    zero.Init converting an allocated module, as deepspeed.initialize would convert the whole
+    model later), so a rank never holds all its slices at once."""
+    import deepspeed
+
+    def partition(owner: nn.Module):
+        # mem_efficient_linear would replace torch's F.linear for the whole process
+        # (mpu: the batch sizes check out against the data-parallel ranks, not the world)
+        deepspeed.zero.Init(module=owner, config_dict_or_path=ds, mpu=mpu,
+                            data_parallel_group=mpu.get_data_parallel_group(),
+                            mem_efficient_linear=False)
+    return partition
+
+
 @torch.no_grad()
-def materialize(module: nn.Module, weights=None, dtype=None) -> int:
+def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> int:
     """Make every parameter and buffer of `module` (this rank's stage and slices of a model built
     on meta) real on the CPU: its initial value, or `weights`'s (an export.safetensors_folder
     .HFWeights, by the model's parameter names), this rank's slice of it, in `dtype` (the
-    training precision: DeepSpeed would cast it so, and the fp32 copy is never held). Returns
-    the number of elements made."""
+    training precision: DeepSpeed would cast it so, and the fp32 copy is never held). Modules are
+    visited children first; `partition(owner)`, where given, runs on each module whose own
+    parameters were just made (zero3_partitioner). Returns the number of elements made."""
     made = 0
-    for owner in module.modules():
+    for owner in reversed(list(module.modules())):  # every module after all of its children
+        made_here = 0
         for param in owner.parameters(recurse=False):
             if not param.is_meta:  # a tied weight, made through its other owner
                 continue
@@ -66,7 +84,7 @@ def materialize(module: nn.Module, weights=None, dtype=None) -> int:
                 else weights.read(name)
             part = torch.empty(param.shape, dtype=dtype or param.dtype)
             part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
-            made += part.numel()
+            made_here += part.numel()
             # A meta parameter cannot take CPU data (set_data refuses the device change), so
             # the parameter object itself is swapped: every module sharing it (tied weights,
             # pipeline stages) and DeepSpeed's attributes on it stay. Gradient hooks on it
@@ -78,6 +96,9 @@ def materialize(module: nn.Module, weights=None, dtype=None) -> int:
             torch.utils.swap_tensors(param, real)
         if any(b.is_meta for b in owner.buffers(recurse=False)):
             owner.init_buffers()  # computed tables (the rotary ones), not parameters
+        if made_here and partition is not None:
+            partition(owner)
+        made += made_here
     return made
 
 
