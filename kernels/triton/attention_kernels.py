@@ -153,6 +153,23 @@ def _delta_kernel(O, DO, DELTA, s_ob, s_oh, s_os, s_db, s_dh, s_ds, H, SQ, HEAD_
 
 
 @triton.jit
+def _load_row_tiles(a_ptr, s_a, b_ptr, s_b, offs, mask_rows, offs_d, mask_d,
+                    MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """Two (rows, head_dim) tiles at the same rows (q and dO, or k and v); MASKED: rows past the
+    sequence read as zeros."""
+    if MASKED:
+        mask = mask_rows[:, None] & mask_d[None, :]
+    else:
+        mask = mask_d[None, :]
+    a = tl.load(a_ptr + offs[:, None] * s_a + offs_d[None, :], mask=mask, other=0.0)
+    b = tl.load(b_ptr + offs[:, None] * s_b + offs_d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
+@triton.jit
 def _dkdv_blocks(dk, dv, k, v, doc_k, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, offs_m0,
                  offs_n, offs_d, mask_n, mask_d, s_qs, s_ds, SQ, qk_scale, lo, hi,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
@@ -160,15 +177,8 @@ def _dkdv_blocks(dk, dv, k, v, doc_k, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         mask_m = offs_m < SQ
-        if MASKED:
-            q_mask = mask_m[:, None] & mask_d[None, :]
-        else:
-            q_mask = mask_d[None, :]
-        q = tl.load(q_ptr + offs_m[:, None] * s_qs + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_ptr + offs_m[:, None] * s_ds + offs_d[None, :], mask=q_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q, do = _load_row_tiles(q_ptr, s_qs, do_ptr, s_ds, offs_m, mask_m, offs_d, mask_d,
+                                MASKED, UPCAST)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=mask_m, other=0.0)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (M, N)
@@ -261,15 +271,8 @@ def _dq_blocks(dq, q, do, lse, delta, doc_q, k_ptr, v_ptr, doc_ptr, offs_m, offs
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         mask_n = offs_n < SK
-        if MASKED:
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-        else:
-            kv_mask = mask_d[None, :]
-        k = tl.load(k_ptr + offs_n[:, None] * s_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + offs_n[:, None] * s_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_row_tiles(k_ptr, s_ks, v_ptr, s_vs, offs_n, mask_n, offs_d, mask_d,
+                               MASKED, UPCAST)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         if MASKED:
             valid = mask_m[:, None] & mask_n[None, :]
