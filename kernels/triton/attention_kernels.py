@@ -170,6 +170,22 @@ def _load_row_tiles(a_ptr, s_a, b_ptr, s_b, offs, mask_rows, offs_d, mask_d,
 
 
 @triton.jit
+def _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, doc_k,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
+    """The softmax probabilities of a (queries, keys) block again, from the forward's
+    log-sum-exp, zero where the masks (edges, causality, documents) hide a key."""
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (M, N)
+    if MASKED:
+        valid = mask_m[:, None] & mask_n[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, p, 0.0)
+    if DOCS:
+        p = tl.where(doc_q[:, None] == doc_k[None, :], p, 0.0)
+    return p
+
+
+@triton.jit
 def _dkdv_blocks(dk, dv, k, v, doc_k, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, offs_m0,
                  offs_n, offs_d, mask_n, mask_d, s_qs, s_ds, SQ, qk_scale, lo, hi,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
@@ -181,15 +197,11 @@ def _dkdv_blocks(dk, dv, k, v, doc_k, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr
                                 MASKED, UPCAST)
         lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=mask_m, other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (M, N)
-        if MASKED:
-            valid = mask_m[:, None] & mask_n[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(valid, p, 0.0)
+        doc_q = offs_m
         if DOCS:
             doc_q = tl.load(doc_ptr + offs_m, mask=mask_m, other=-1)
-            p = tl.where(doc_q[:, None] == doc_k[None, :], p, 0.0)
+        p = _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, doc_k,
+                           MASKED, CAUSAL, DOCS)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -273,15 +285,11 @@ def _dq_blocks(dq, q, do, lse, delta, doc_q, k_ptr, v_ptr, doc_ptr, offs_m, offs
         mask_n = offs_n < SK
         k, v = _load_row_tiles(k_ptr, s_ks, v_ptr, s_vs, offs_n, mask_n, offs_d, mask_d,
                                MASKED, UPCAST)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        if MASKED:
-            valid = mask_m[:, None] & mask_n[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(valid, p, 0.0)
+        doc_k = offs_n
         if DOCS:
             doc_k = tl.load(doc_ptr + offs_n, mask=mask_n, other=-2)
-            p = tl.where(doc_q[:, None] == doc_k[None, :], p, 0.0)
+        p = _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, doc_k,
+                           MASKED, CAUSAL, DOCS)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
