@@ -157,11 +157,13 @@ class Row:
 
     @property
     def verdict(self) -> str:
+        if self.chosen:
+            return "chosen" if self.ms is not None else f"chosen untimed ({self.failed})"
         if self.failed:
             return f"failed: {self.failed}"
         if self.error is not None and self.error > 1.0:
             return "outside its precision policy"
-        return "chosen" if self.chosen else "passed"
+        return "passed"
 
 
 def measure(op: str, candidates: List[Kernel], p: Problem, device, dtype) -> List[Row]:
@@ -177,9 +179,12 @@ def measure(op: str, candidates: List[Kernel], p: Problem, device, dtype) -> Lis
         rows.append(row)
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-    passing = [r for r in rows if r.ms is not None]
-    if passing:
-        min(passing, key=lambda r: r.ms).chosen = True
+    timed = [r for r in rows if r.ms is not None]
+    checked = [r for r in rows if r.error is not None and r.error <= 1.0]
+    if timed:
+        min(timed, key=lambda r: r.ms).chosen = True
+    elif checked:  # none could be timed at the run's shape (out of memory there, say): the
+        checked[-1].chosen = True  # lowest priority that passed its check, torch's as a rule
     return rows
 
 

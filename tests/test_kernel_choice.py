@@ -109,3 +109,24 @@ def test_rank_zero_measures_and_every_rank_takes_its_choice(tmp_path):
     # a refusal on rank 0 reaches every rank as the same error (none waits for the choice)
     assert results[0]["error"] == results[1]["error"]
     assert results[1]["error"].startswith("kernels.rms_norm: no implementation passed")
+
+
+def test_when_nothing_can_be_timed_the_last_checked_implementation_is_used(monkeypatch, tmp_path):
+    """An implementation that passes its check at the capped shape but cannot run at the run's
+    (out of memory there, say) is not a reason to stop: the lowest-priority one that passed its
+    check is used, and the table says it was not timed."""
+    monkeypatch.setenv("DR_SCALE_CACHE", str(tmp_path))
+    norm = candidates("rms_norm", "cpu", torch.float32)[0]
+    big = dataclasses.replace(PROBLEM, seq=PROBLEM.seq * 4)  # the timing shape, not the check's
+
+    def only_small(x, w, eps):
+        if x.shape[0] > big.seq:  # the check runs one sequence, the timing the micro-batch
+            raise RuntimeError("out of memory")
+        return norm.fn(x, w, eps)
+
+    first = dataclasses.replace(norm, name="first", fn=only_small)
+    second = dataclasses.replace(norm, name="second", fn=only_small)
+    chosen, table = measured.choose({"rms_norm": [first, second]}, big, "cpu", torch.float32)
+    assert chosen == {"rms_norm": "second"}
+    assert [r.verdict for r in table] == ["failed: out of memory",
+                                          "chosen untimed (out of memory)"]
