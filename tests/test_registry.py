@@ -73,7 +73,7 @@ def test_one_attention_table_for_auto_and_the_model():
         assert len(calls) == mine.shape.num_layers
         with pytest.raises(DrScaleError, match="model.attention: unknown attention implementation "
                                                "'flash9'; known: counted_for_test, eager, sdpa, "
-                                               "triton_flash$"):
+                                               "sdpa_cudnn, sdpa_flash, triton_flash$"):
             shape_of("model.attention=flash9", vocab=64)
         assert implementation("attention", "eager").fn is reference.attention
     finally:

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from rank_result import write_and_leave
 
 
-def rank_main(rank, port, out, dtype_name):
+def rank_main(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     import deepspeed
@@ -21,7 +21,6 @@ def rank_main(rank, port, out, dtype_name):
 
     from dr_scale.models.lm_head import linear_cross_entropy
 
-    dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     vocab, d, tokens = 101, 16, 37
     hidden = torch.randn(tokens, d, generator=g)
@@ -33,21 +32,22 @@ def rank_main(rank, port, out, dtype_name):
     start = sum(rows[:rank])
     group = dist.new_group([0, 1])
 
-    h = hidden.clone().to(dtype).requires_grad_()
-    w = weight[start:start + rows[rank]].clone().to(dtype).requires_grad_()
-    loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels, 8, group=group,
-                                vocab_start=start)
-    loss.backward()
-
     rh, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref = torch.nn.functional.cross_entropy(rh @ rw.t(), labels, ignore_index=-100)
     ref.backward()
-    write_and_leave(f"{out}/result", rank, {
-        "loss": loss.item(), "ref": ref.item(),
-        "grad_h": h.grad.float().tolist(), "ref_grad_h": rh.grad.tolist(),
-        "grad_w": w.grad.float().tolist(),
-        "ref_grad_w": rw.grad[start:start + rows[rank]].tolist()})
+    result = {"ref": ref.item(), "ref_grad_h": rh.grad.tolist(),
+              "ref_grad_w": rw.grad[start:start + rows[rank]].tolist()}
+    for dtype in (torch.float32, torch.bfloat16):
+        h = hidden.clone().to(dtype).requires_grad_()
+        w = weight[start:start + rows[rank]].clone().to(dtype).requires_grad_()
+        loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels, 8, group=group,
+                                    vocab_start=start)
+        loss.backward()
+        name = str(dtype).replace("torch.", "")
+        result[name] = {"loss": loss.item(), "grad_h": h.grad.float().tolist(),
+                        "grad_w": w.grad.float().tolist()}
+    write_and_leave(f"{out}/result", rank, result)
 
 
 if __name__ == "__main__":
-    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2)
+    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
