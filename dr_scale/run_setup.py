@@ -250,11 +250,12 @@ def kernel_problem(shape, cfg, topo) -> measured.Problem:
     lengths; what matters is that the masked paths are the ones timed)."""
     tp, seq, batch = topo.tensor, cfg.data.seq_length, cfg.train.micro_batch_size
     tokens = batch * seq
-    chunk = shape.loss_chunk if tp == 1 and topo.pipeline == 1 else 0
+    chunk = shape.loss_chunk if topo.pipeline == 1 else 0  # settled for the head's slice
+    slices = topo.head_slices(cfg.parallel.vocab_parallel)
     return measured.Problem(
         batch=batch, seq=seq, hidden=shape.hidden_size, ffn=shape.ffn_hidden_size // tp,
         heads=shape.num_heads // tp, kv_heads=max(1, shape.num_kv_heads // tp),
-        head_dim=shape.head_dim, vocab=shape.vocab_size // tp,
+        head_dim=shape.head_dim, vocab=-(-shape.vocab_size // slices),
         loss_rows=min(tokens, chunk) if chunk else tokens,
         documents=4 if cfg.data.document_mask else 1)
 

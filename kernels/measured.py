@@ -188,9 +188,13 @@ def measure(op: str, candidates: List[Kernel], p: Problem, device, dtype) -> Lis
     return rows
 
 
-def cache_key(op: str, p: Problem, device, dtype, names: List[str]) -> str:
+def _device_name(device) -> str:
     dev = torch.device(device)
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def cache_key(op: str, p: Problem, device, dtype, names: List[str]) -> str:
+    where = _device_name(device)
     try:
         import triton
         tv = triton.__version__
@@ -256,8 +260,7 @@ def raise_none_passed(op: str, rows: List[Row]):
 
 
 def format_table(rows: List[Row], p: Problem, device, dtype) -> str:
-    dev = torch.device(device)
-    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    where = _device_name(device)
     source = "measured now" if not any(r.cached for r in rows) else \
         f"{'all' if all(r.cached for r in rows) else 'some'} from {disk_cache.cache_file(CACHE)}"
     lines = [f"kernels measured on {where} ({dtype_name(dtype)}, batch {p.batch} x {p.seq}, "

@@ -25,9 +25,10 @@ What is counted, per rank, for AdamW under DeepSpeed:
   allocator's reserve is not counted.
 
 `total` is the steady state of training. Building the model comes first (parallel/
-sharded_build.py): under ZeRO-3 without tensor or pipeline parallelism it is built sharded, and a
-rank holds at most one tensor whole, in fp32 and in the training precision, while it is cast and
-partitioned; under tensor or pipeline parallelism a rank makes real only its slices of its stage
+sharded_build.py): under ZeRO-3 without pipeline parallelism it is built sharded (with tensor
+parallelism, each module's slices partitioned as they are made), and a rank holds at most one
+tensor whole, in fp32 and in the training precision, while it is cast and partitioned; otherwise
+under tensor or pipeline parallelism a rank makes real only its slices of its stage
 (in the training precision), one tensor whole in fp32 at a time while it is cut; elsewhere every
 rank builds the whole model in fp32 first. `startup_peak` is that
 moment (runtime included), `peak` the larger of the two: what the rank needs.
@@ -152,7 +153,8 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     lp = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
     vocab_parallel = vocab_parallel and tp > 1 and pp == 1  # pipeline stages keep the head whole
-    shape = shape.settle_loss_chunk(micro_batch * seq_length, tp if vocab_parallel else 1)
+    slices = tp if vocab_parallel else 1  # of the LM head's vocabulary
+    shape = shape.settle_loss_chunk(micro_batch * seq_length, slices)
     sharded, replicated = split_parameters(shape, tp, vocab_parallel)
     n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
     n /= pp  # a stage holds its share of the layers (balanced by parameters)
@@ -182,7 +184,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         acts = layers * (per_layer - attn / max(1, checkpoint_every))
     else:
         acts = layers * per_layer
-    logits = loss_bytes(shape, tokens, lp, fused=pp == 1, slices=tp if vocab_parallel else 1)
+    logits = loss_bytes(shape, tokens, lp, fused=pp == 1, slices=slices)
     activations = acts / tp + logits
     if zero_stage >= 2 and contiguous_gradients:
         buffers = reduce_bucket * lp
@@ -196,18 +198,15 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     buffers += swap
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
-    if zero_stage == 3 and tp == 1 and pp == 1:  # built sharded: one tensor whole at a time
+    if zero_stage == 3 and pp == 1:  # built sharded (TP: each module's slices partitioned as
+        #                                they are made): one tensor whole at a time
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
-    elif zero_stage == 3 and pp == 1:  # TP built on meta, each module's slices partitioned
-        #                                over the data-parallel ranks as they are made
-        startup = runtime + parameters + largest_tensor(shape) * (4 + lp)
     elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
         startup = runtime + n * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
-    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1,
-                                        slices=tp if vocab_parallel else 1)
+    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1, slices=slices)
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
                                             buffers, runtime, host, total, startup,
                                             max(total, startup), transient,

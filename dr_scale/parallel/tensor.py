@@ -29,6 +29,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
 from dr_scale.models.lm_head import fuse_vocab_parallel_head
 
+
 def check_divisible(shape, tp: int):
     for key, value in (("num_heads", shape.num_heads), ("num_kv_heads", shape.num_kv_heads),
                        ("ffn_hidden_size", shape.ffn_hidden_size)):

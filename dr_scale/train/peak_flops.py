@@ -35,7 +35,7 @@ GPU_PEAKS = (
     (("h200",), {**_H100, "hbm": 4.8}),
     (("h100", "nvl"), {"bf16": 835.0, "fp16": 835.0, "fp8": 1670.0, "fp32": 60.0, "hbm": 3.9}),
     (("h100", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0, "hbm": 2.0}),
-    (("h100",), {**_H100, "hbm": 3.35}),                                   # SXM: "NVIDIA H100 80GB HBM3"
+    (("h100",), {**_H100, "hbm": 3.35}),         # SXM: "NVIDIA H100 80GB HBM3"
     (("h800", "pcie"), {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 51.0, "hbm": 2.0}),
     (("h800",), {**_H100, "hbm": 3.35}),
     (("h20",), {"bf16": 148.0, "fp16": 148.0, "fp8": 296.0, "fp32": 44.0, "hbm": 4.0}),
@@ -176,6 +176,7 @@ def peak_flops(precision: str, device, gemm) -> Peak:
     where = f"{precision} matmul {_dims(gemm)}"
     cached = disk_cache.read(_CACHE).get(key)
     if cached:
-        return Peak(cached, f"measured {where}, cached in {disk_cache.cache_file(_CACHE)}", precision, gemm)
+        return Peak(cached, f"measured {where}, cached in {disk_cache.cache_file(_CACHE)}",
+                    precision, gemm)
     value = _store(key, measure_matmul(*gemm, precision))
     return Peak(value, f"measured {where}, best of {CPU_TRIES}", precision, gemm)
