@@ -60,7 +60,9 @@ def test_impossible_utilisation_remeasures_then_gives_up(tmp_path, monkeypatch):
     # 5% of the real peak reads as 5000%; measuring again makes it possible.
     low = pf.Peak(real / 1000, "measured", "fp32", gemm)
     assert low.check(0.05 * real / low.value) and low.remeasured and not low.unreliable
-    assert low.value > real / 10 and "re-measured" in low.source
+    # The poisoned figure is replaced: >= 10x above it. Not "near `real`": the other pytest
+    # worker may hold the cores during either measurement (seen: 14x lower on a 2-core EPYC).
+    assert low.value > real / 100 and "re-measured" in low.source
     # Still impossible after measuring again (a FLOPs count gone wrong): unreliable, for good.
     p = pf.Peak(real, "measured", "fp32", gemm)
     assert not p.check(1e6) and p.unreliable and not p.check(0.5)
