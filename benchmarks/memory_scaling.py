@@ -53,6 +53,9 @@ def measured(ds_config, preset, seq, ranks, vocab, layers, work, overrides=()):
     params = re.search(r"\) ([\d.]+[MB]) parameters;", proc.stdout).group(1)
     return {"ds_config": ds_config, "ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
             "wall_s": round(time.perf_counter() - t0, 1), "precision": precision,
+            # after the first step (its optimizer state is made then)
+            "step_s": round(sum(r["step_time_s"] for r in records if r.get("step", 0) > 1
+                                and "loss" in r) / 2, 2),
             "parameters": params, "losses": [r["loss"] for r in records if "loss" in r],
             "run_dir": str(run)}
 
@@ -104,6 +107,9 @@ def main(argv=None):
     ap.add_argument("--overrides", nargs="*", default=[],
                     help="more key=value for every run and estimate (e.g. "
                          "parallel.tensor_parallel=2)")
+    ap.add_argument("--also", nargs="*", default=[],
+                    help="also run each config with these key=value added, side by side (e.g. "
+                         "train.release_host_memory=true)")
     ap.add_argument("--out", default="bench_out/memory_scaling")
     a = ap.parse_args(argv)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
@@ -112,16 +118,20 @@ def main(argv=None):
           f"{' '.join([','] + a.overrides) if a.overrides else ''}, on {where}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-bench-", dir=os.environ.get("TMPDIR")) as work:
-        configs = [(d, d) for d in a.ds_config]
+        configs = [(d, d, ()) for d in a.ds_config]
         if a.max_live_parameters:
             configs += [(f"{d}, live {a.max_live_parameters:g}",
-                         fewer_live(d, a.max_live_parameters, work)) for d in a.ds_config]
-        for (label, ds_config), ranks in [(c, n) for c in configs for n in a.ranks]:
+                         fewer_live(d, a.max_live_parameters, work), ()) for d in a.ds_config]
+        if a.also:
+            configs += [(f"{label}, {' '.join(a.also)}", d, tuple(a.also))
+                        for label, d, _ in list(configs)]
+        for (label, ds_config, extra), ranks in [(c, n) for c in configs for n in a.ranks]:
+            overrides = (*a.overrides, *extra)
             row = measured(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
-                           work, a.overrides)
+                           work, overrides)
             row["ds_config"] = label
             est = estimated(ds_config, a.preset, a.seq_length, ranks, a.vocab_size, a.num_layers,
-                            a.overrides)
+                            overrides)
             per_rank = est["bytes_per_rank"]
             row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
@@ -129,7 +139,8 @@ def main(argv=None):
             print(f"  {label}, {ranks} rank(s), {row['parameters']} parameters, "
                   f"{row['precision']}: peak RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up "
                   f"included), estimate {row['estimate_gib']:.2f} GiB "
-                  f"({row['measured_over_estimate']:.2f}x); wall {row['wall_s']:.0f} s",
+                  f"({row['measured_over_estimate']:.2f}x); steps 2-3 {row['step_s']:.1f} s "
+                  f"each, wall {row['wall_s']:.0f} s",
                   flush=True)
             rows.append(row)
     first = {}
@@ -153,7 +164,8 @@ def main(argv=None):
                   [("DeepSpeed config", "ds_config"), ("ranks", "ranks"),
                    ("precision", "precision"),
                    ("peak RSS per rank (GiB)", "peak_rss_gib"), ("estimate (GiB)", "estimate_gib"),
-                   ("measured / estimate", "measured_over_estimate"), ("wall (s)", "wall_s")],
+                   ("measured / estimate", "measured_over_estimate"),
+                   ("step 2-3 (s)", "step_s"), ("wall (s)", "wall_s")],
                   dict(cpu=where))
 
 

@@ -34,7 +34,7 @@ from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.plot import plot_curves
 from dr_scale.train.schedule import build_scheduler
-from dr_scale.train import hangs
+from dr_scale.train import hangs, host_memory
 from dr_scale.train.trainer import Trainer
 
 
@@ -111,7 +111,13 @@ def run(args):
     start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
                       layout, run_dir, kernels_line,
                       DocumentBoundaries.of(cfg.data, sources.tokenizer))
+    memory_note = None
+    if cfg.train.release_host_memory:
+        memory_note = ("freed host memory returned to the OS after each backward" if
+                       host_memory.can_release() else "train.release_host_memory does nothing "
+                       "here: the C library is not glibc (no malloc_trim)")
     for line in [*start.lines(), *([f"offload: {offload_note}"] if offload_note else []),
+                 *([f"memory: {memory_note}"] if memory_note else []),
                  *(f"warning: {w}" for w in sources.warnings)]:
         logger.info(line)
 

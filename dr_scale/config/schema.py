@@ -86,6 +86,9 @@ class TrainConfig(Section):
                              "backward; the loop waits only before the next optimizer step")
     collective_timeout_s: int = field(600, min=5, help="a collective waiting longer ends the "
                                       "run in one line naming the rank and the phase")
+    release_host_memory: bool = field(False, help="after each backward, return freed host "
+                                      "memory to the OS (glibc malloc_trim): a lower peak RSS "
+                                      "on CPU ranks for slower steps (train/host_memory.py)")
 
 
 @dataclass

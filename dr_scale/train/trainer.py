@@ -11,7 +11,7 @@ from dr_scale import comm
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
-from dr_scale.train import checkpoint, hangs
+from dr_scale.train import checkpoint, hangs, host_memory
 from dr_scale.train.checkpoint_writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes
@@ -193,6 +193,8 @@ class Trainer:
                 self.last_loss = loss.detach()
                 with self._phase("backward"):
                     self.engine.backward(loss)
+                    if t.release_host_memory:  # before the step's fp32 gradients come on top
+                        host_memory.release_freed()
                 self.callbacks.fire("after_backward", self, self.step, micro)
                 if micro == self.layout["accum"] - 1:
                     with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
