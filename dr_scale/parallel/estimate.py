@@ -22,7 +22,10 @@ What is counted, per rank, for AdamW under DeepSpeed:
   ZeRO-0/1's flattened all-reduce bucket;
 - runtime: what a rank costs before the model (the framework, communication buffers); on CPU
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
-  allocator's reserve is not counted.
+  allocator's reserve is not counted. On CPU the figures take freed memory as given back:
+  glibc keeps freed heap pages (tensors below its mmap threshold: ZeRO-3's gathered TP slices)
+  under the optimizer step unless `train.release_host_memory` trims them (measured, llama_1b
+  cut to 8 layers, DP 2 x TP 2: 1.24x this estimate without, 1.02x with; train/host_memory.py).
 
 `total` is the steady state of training. Building the model comes first (parallel/
 sharded_build.py): under ZeRO-3 without pipeline parallelism it is built sharded (with tensor

@@ -5,10 +5,12 @@ are freed) from its heap and keeps their pages when they are freed, for reuse. O
 those are most of a step's tensors: under ZeRO-3 with tensor parallelism the gathered 16-bit
 slices (16 MiB each for llama_1b at TP 2) stay resident after DeepSpeed releases them, and the
 optimizer step's fp32 gradient (made per sub-group in `_prepare_sub_group`) comes on top of
-them. Measured (llama_1b cut to 8 layers, ZeRO-3, DP 2 x TP 2, bf16, 2-core EPYC): peak RSS per
-rank 4.18-4.47 GiB, 3.38-3.47 GiB with a trim after each backward, losses identical; the steps
-took ~1.2x as long, since the next forward faults the pages in again. So it is a setting, off
-by default: for runs that must fit, not for throughput.
+them. Measured with benchmarks/memory_scaling.py (llama_1b cut to 8 layers, ZeRO-3, bf16, 3
+steps, 2-core EPYC, 2026-12-02), peak RSS per rank without / with a trim after each backward:
+DP 2 x TP 2 4.31 / 3.54 GiB (0.82x), DP 2 6.45 / 5.92, DP 4 4.08 / 3.78, losses identical. The
+steps after the first took 1.13x, 0.74x and 1.01x as long: within this machine's run-to-run
+spread, but the pages are faulted in again at the next forward (a 5-step TP trace: 1.23x). So
+it is a setting, off by default: for runs that must fit.
 
 malloc_trim(0) (glibc >= 2.8) returns every whole free page of every arena, not only the top of
 the heap. Elsewhere (musl, macOS) there is nothing to call and the setting does nothing, which
