@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale import comm, nvme_offload
 from dr_scale import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.config.snapshot import write_snapshot
@@ -145,7 +145,8 @@ def reshard_before_group(run_dir: Path, topo, raw_ds: dict, timeout_s: int):
     ckpt_dir = run_dir / "checkpoints"
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(raw_ds)
-    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
+    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
+                        target_nvme="offload_optimizer" in nvme_offload.nvme_sections(raw_ds))
     if plan != "universal" or universal_ready(ckpt_dir, tag, stage, topo.world):
         return
     if int(os.environ.get("RANK", "0")) == 0:
@@ -164,7 +165,8 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
     reshard_before_group made."""
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(ds)
-    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline)
+    plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
+                        target_nvme="offload_optimizer" in nvme_offload.nvme_sections(ds))
     if plan == "universal" and not universal_ready(ckpt_dir, tag, stage, topo.world):
         raise DrScaleError(f"{ckpt_dir / tag}: its universal form for {topo.world} rank(s) at "
                            f"ZeRO-{stage} went missing during start-up")

@@ -80,6 +80,29 @@ def test_reshard_ahead_of_the_job_with_parallel_workers(uninterrupted, cache_dir
         assert b[step] == pytest.approx(a[step], rel=1e-3), step
 
 
+def test_nvme_optimizer_state_is_not_resharded(uninterrupted, tmp_path):
+    """DeepSpeed's universal checkpoint cannot carry ZeRO-Infinity's swapped optimizer state
+    either way (train/reshard.py): a run with its state on NVMe resumes on its own ranks, and
+    another number of ranks is one line naming the way out, before any conversion starts."""
+    from dr_scale.errors import DrScaleError
+    from dr_scale.train.reshard import reshard_plan
+
+    run = tmp_path / "run"
+    stopped_at(uninterrupted(2, "zero3"), run, 4)
+    ckpt = run / "checkpoints"
+    assert reshard_plan(ckpt, "step_00000004", 2, 3, target_nvme=True) == "direct"
+    with pytest.raises(DrScaleError, match="resuming on 1 needs DeepSpeed's universal checkpoint, "
+                                           "which it cannot load into optimizer state on NVMe"):
+        reshard_plan(ckpt, "step_00000004", 1, 3, target_nvme=True)
+    # written with its state on NVMe: DeepSpeed copies the swap files into the checkpoint here
+    (ckpt / "step_00000004" / "offloaded_tensors" / "rank00").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir", str(run),
+                           "--ranks", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "its optimizer state is on NVMe" in proc.stderr and "model.init_from" in proc.stderr
+    assert not (ckpt / "universal").exists()
+
+
 def test_zero0_to_zero1_is_refused_with_what_to_do(cache_dir, tmp_path):
     run = tmp_path / "run"
     launch(["--ds_config", "zero0", "--run_dir", run, *ARGS, "--stop_at_step", 4], 2, cache_dir)

@@ -25,9 +25,10 @@ FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on it
 
 
 def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
-                 tensor: int = 1, pipeline: int = 1):
+                 tensor: int = 1, pipeline: int = 1, target_nvme: bool = False):
     """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
-    checkpoint, converted on first use); one line of error where neither can work."""
+    checkpoint, converted on first use); one line of error where neither can work.
+    `target_nvme`: the run keeps its optimizer state on NVMe (offload_optimizer.device=nvme)."""
     tag_dir = Path(ckpt_dir) / tag
     written = ranks_written(tag_dir)
     saved = saved_parallel_layout(tag_dir)
@@ -55,6 +56,7 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     if family == 0 and target == 0:
         return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
     if family and target:
+        _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
         return "universal"
     names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
     raise DrScaleError(
@@ -62,6 +64,32 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
         f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
         "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
         "and model.init_from")
+
+
+def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
+                                target_nvme: bool) -> None:
+    """DeepSpeed 0.19.8's universal checkpoint and ZeRO-Infinity's swapped optimizer state do
+    not meet: ds_to_universal reads each sub-group's fp32 weights and moments from the rank's
+    optimizer file, where a swapped sub-group's are empty (they are the swap files DeepSpeed
+    copied beside it); and load_hp_checkpoint_state_from_checkpoint_dir_stage3 fills each
+    sub-group's fp32 tensor in memory, which is empty for a swapped one. Either would fail deep
+    in a worker or, worse, load nothing; say so before anything starts."""
+    from dr_scale import nvme_offload
+
+    way_out = ("to change the number of ranks, `dr-scale export` the weights and start a run from "
+               "them with model.init_from (a fresh optimizer)")
+    if (tag_dir / nvme_offload.SAVED).is_dir():
+        raise DrScaleError(
+            f"{tag_dir}: its optimizer state is on NVMe (ZeRO-Infinity's swap files in "
+            f"{nvme_offload.SAVED}/), so it resumes on its {written} rank(s) only: DeepSpeed's "
+            f"universal checkpoint reads the state from the rank files, where the swapped "
+            f"sub-groups are empty; {way_out}")
+    if target_nvme:
+        raise DrScaleError(
+            f"{tag_dir}: written by {written} rank(s); resuming on {world_size} needs DeepSpeed's "
+            f"universal checkpoint, which it cannot load into optimizer state on NVMe "
+            f"(offload_optimizer.device=nvme: the swapped sub-groups are not in memory to fill); "
+            f"resume it on {written} rank(s), or without NVMe offload, or {way_out}")
 
 
 def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
