@@ -12,6 +12,9 @@ What is counted, per rank, for AdamW under DeepSpeed:
   buffers of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the
   step's gradient partition is made whole before it is swapped out (measured: llama_1b cut to 8
   layers, 2 ranks, 3.84 GiB a rank against 3.07 estimated without it);
+- not counted: parameters offloaded to NVMe (`offload_param`; measured, llama_1b cut to 8
+  layers, 2 ranks: a higher peak than without, 4.44 against 3.71 GiB: the swapper's buffers
+  outweigh so small a partition);
 - activations: the tensors the backward pass keeps, counted from this code's layers (norm
   statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
   checkpointing policy, plus the loss's: one chunk of logits and the head's gradients when the
