@@ -35,6 +35,11 @@ def nvme_sections(ds: Dict) -> List[str]:
     return [s for s in SECTIONS if ((zero.get(s) or {}).get("device") == "nvme")]
 
 
+def optimizer_on_nvme(ds: Dict) -> bool:
+    """Whether the run swaps its optimizer state to NVMe (DeepSpeed's swap_optimizer)."""
+    return "offload_optimizer" in nvme_sections(ds)
+
+
 def fill_paths(ds: Dict, run_dir: Optional[Path]) -> None:
     """`"nvme_path": "auto"` -> <run folder>/offload (in place). Before the run folder is chosen
     (the config check) the placeholder only has to stop being "auto"."""

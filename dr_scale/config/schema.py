@@ -88,7 +88,8 @@ class TrainConfig(Section):
                                       "run in one line naming the rank and the phase")
     release_host_memory: bool = field(False, help="after each backward, return freed host "
                                       "memory to the OS (glibc malloc_trim): a lower peak RSS "
-                                      "on CPU ranks for slower steps (train/host_memory.py)")
+                                      "on CPU ranks for slower steps; not with pipeline stages "
+                                      "(train/host_memory.py)")
 
 
 @dataclass
