@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,8 +55,8 @@ def measured(ds_config, preset, seq, ranks, vocab, layers, work, overrides=()):
     return {"ds_config": ds_config, "ranks": ranks, "peak_rss_gib": step3["mem_peak_bytes"] / 2**30,
             "wall_s": round(time.perf_counter() - t0, 1), "precision": precision,
             # after the first step (its optimizer state is made then)
-            "step_s": round(sum(r["step_time_s"] for r in records if r.get("step", 0) > 1
-                                and "loss" in r) / 2, 2),
+            "step_s": round(statistics.mean(r["step_time_s"] for r in records
+                                            if r.get("step", 0) > 1 and "loss" in r), 2),
             "parameters": params, "losses": [r["loss"] for r in records if "loss" in r],
             "run_dir": str(run)}
 

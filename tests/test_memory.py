@@ -3,8 +3,8 @@ import json
 
 import numpy as np
 import psutil
-import torch
 import pytest
+import torch
 
 from dr_scale.callbacks.memory import MemoryMonitor, parse_threshold
 from dr_scale.errors import DrScaleError

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
                                        saved_zero_family)
@@ -74,8 +75,6 @@ def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
     copied beside it); and load_hp_checkpoint_state_from_checkpoint_dir_stage3 fills each
     sub-group's fp32 tensor in memory, which is empty for a swapped one. Either would fail deep
     in a worker or, worse, load nothing; say so before anything starts."""
-    from dr_scale import nvme_offload
-
     way_out = ("to change the number of ranks, `dr-scale export` the weights and start a run from "
                "them with model.init_from (a fresh optimizer)")
     if (tag_dir / nvme_offload.SAVED).is_dir():
