@@ -141,8 +141,10 @@ def run(args):
 
 
 def main(argv=None):
+    args = None
     try:
-        run(parse_args(argv))
+        args = parse_args(argv)
+        run(args)
         code = 0
     except TrainingStopped as e:
         if os.environ.get("RANK", "0") == "0":
@@ -155,6 +157,14 @@ def main(argv=None):
             raise
         say(f"dr_scale: error: {error}")
         code = 1
+    except AssertionError as e:  # DeepSpeed's parameter swapper's buffers too few or small
+        error = args and nvme_offload.swapper_error(e, str(dsc.resolve_path(
+            args.ds_config)))
+        if not error:
+            raise
+        rank = os.environ.get("RANK", "0")
+        say(f"{'' if rank == '0' else f'[rank {rank}] '}dr_scale: error: {error}")
+        code = 2
     except DrScaleError as e:
         rank = os.environ.get("RANK", "0")
         prefix = "" if rank == "0" else f"[rank {rank}] "

@@ -145,3 +145,32 @@ def saved_swap_files(engine, tag_dir: Path) -> List[Path]:
         return []
     rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
     return sorted(p for p in saved_swap_dir(tag_dir, rank).rglob("*") if p.is_file())
+
+
+def swapper_error(exc: BaseException, ds_source: str) -> Optional[str]:
+    """One line for the assertions of DeepSpeed's parameter swapper (offload_param to NVMe), raised
+    deep in the model's build or a forward; None for any other error. With `max_in_cpu` below a
+    rank's partition every parameter in use takes one of `buffer_count` page-locked buffers of
+    `buffer_size` elements until it is released."""
+    import re
+
+    text = str(exc).strip()
+    if not isinstance(exc, AssertionError):
+        return None
+    key = f"{ds_source}: zero_optimization.offload_param"
+    too_big = re.match(r"More elements (\d+) than buffer size (\d+)", text)
+    if too_big:
+        return (f"{key}.buffer_size={too_big.group(2)}: a parameter's partition has "
+                f"{too_big.group(1)} elements; buffer_size must hold the largest one")
+    if text.startswith("Not enough buffers"):
+        return (f"{key}.buffer_count: DeepSpeed ran out of parameter swap buffers ({text}): more "
+                f"parameters were in use at once than there are buffers; raise buffer_count, "
+                f"lower stage3_max_live_parameters and stage3_prefetch_bucket_size, or raise "
+                f"max_in_cpu to keep more of the partition in memory")
+    if "already assigned swap buffer" in text:  # its prefetch at the second step, buffers aplenty
+        import deepspeed
+
+        return (f"{key}.max_in_cpu: DeepSpeed {deepspeed.__version__}'s parameter swapper failed "
+                f"({text}) with parameters in files; it trained one step here and stopped at the "
+                f"second; raise max_in_cpu above a rank's partition to keep them in memory")
+    return None

@@ -51,8 +51,10 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z0["optimizer_states"] == pytest.approx(12 * n, rel=1e-6)  # fp32 master + Adam
     assert z3["optimizer_states"] == pytest.approx(12 * n / 8, rel=1e-6)
     off = estimate("zero3_offload", 8, *big, device="cuda")
-    # offloaded: fp32 master, Adam's moments and the fp32 gradients in host memory
-    assert off["optimizer_states"] == 0 and off["host_offload"] == pytest.approx(16 * n / 8, rel=1e-6)
+    # offloaded: fp32 master, Adam's moments, the fp32 gradients and (offload_param) the bf16
+    # parameters in host memory
+    assert off["optimizer_states"] == off["parameters"] == 0
+    assert off["host_offload"] == pytest.approx(18 * n / 8, rel=1e-6)
     assert off["gradients"] == pytest.approx(2 * n / 8, rel=1e-6)
     # on a CPU host memory is the rank's own: offload moves nothing out of it
     assert estimate("zero3_offload", 8, *big)["total"] == estimate("zero3", 8, *big)["total"]
@@ -100,3 +102,37 @@ def test_estimate_scales_as_zero_and_parallelism_say():
                      "parallel.pipeline_parallel=4", device="cuda")
     assert 4 * 2**30 < tp_pp["startup_peak"] < 8 * 2**30
     assert z3_70b["startup_peak"] < 2 * 2**30 and z3_70b["peak"] == z3_70b["total"]
+
+
+def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path):
+    """offload_param to NVMe: DeepSpeed keeps the 16-bit partition in a host buffer up to
+    max_in_cpu parameters and page-locks buffer_count x buffer_size swap buffers (its defaults,
+    read from its config class); beyond max_in_cpu the partition is in files, and the step's
+    swap-out takes one buffer of a sub-group's whole parameters."""
+    from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    defaults = DeepSpeedZeroOffloadParamConfig()
+    assert (defaults.buffer_count, defaults.buffer_size, defaults.max_in_cpu) == (5, 1e8, 1e9)
+    big = ["model.preset=llama_7b", "train.micro_batch_size=1", "data.seq_length=4096"]
+    n = 6_738_415_616
+    from dr_scale import ds_config as dsc
+
+    ds = dsc.read_json(dsc.resolve_path("zero3_nvme"))
+    ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "auto"}
+    (tmp_path / "params.json").write_text(json.dumps(ds))
+    ds["zero_optimization"]["offload_param"]["max_in_cpu"] = 100_000_000
+    (tmp_path / "files.json").write_text(json.dumps(ds))
+    optimizer_only = estimate("zero3_nvme", 8, *big)
+    stays = estimate(str(tmp_path / "params.json"), 8, *big)  # 842M a rank < max_in_cpu
+    assert stays["parameters"] == optimizer_only["parameters"] == pytest.approx(2 * n / 8)
+    assert stays["buffers"] - optimizer_only["buffers"] == 5 * 100_000_000 * 2
+    files = estimate(str(tmp_path / "files.json"), 8, *big)
+    assert files["parameters"] == 100_000_000 * 2
+    assert files["buffers"] - optimizer_only["buffers"] == 5 * 100_000_000 * 2 + 20_000_000 * 8 * 2
+    assert files["startup_peak"] < stays["startup_peak"]
+    # on a GPU all of it is host memory
+    gpu = estimate(str(tmp_path / "files.json"), 8, *big, device="cuda")
+    gpu_optimizer_only = estimate("zero3_nvme", 8, *big, device="cuda")
+    assert gpu["parameters"] == 0 and gpu["host_offload"] == files["parameters"] + (
+        files["buffers"] - optimizer_only["buffers"])
+    assert gpu["total"] == gpu_optimizer_only["total"] - gpu_optimizer_only["parameters"]

@@ -63,3 +63,46 @@ def test_an_unwritable_swap_folder_is_one_line(tmp_path):
                        "writable local NVMe folder$"):
         nvme_offload.prepare_dirs(ds, "zero3_nvme.json")
     assert blocker.read_text() == "not a folder"
+
+
+def test_parameter_swapper_assertions_become_one_line(tmp_path, monkeypatch):
+    """DeepSpeed's parameter swapper (offload_param to NVMe) asserts deep in the build or a
+    forward when its buffers are too small or too few; its own methods raise them here (the
+    async_io op is not needed to reach them) and the launcher's line names the key to change.
+    Seen end to end on a machine with the op built: tiny widened to 1,024, max_in_cpu 0,
+    buffer_size 4e6 (a 4,194,304-element partition) and then buffer_count 2."""
+    from types import SimpleNamespace
+
+    import pytest
+    from deepspeed.runtime.swap_tensor import partitioned_param_swapper as pps
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
+        AsyncPartitionedParameterSwapper, PartitionedParamStatus)
+
+    from dr_scale.nvme_offload import swapper_error
+
+    swapper = AsyncPartitionedParameterSwapper.__new__(AsyncPartitionedParameterSwapper)
+    swapper.__dict__.update(available_buffer_ids=[0], elements_per_buffer=4_000_000, id_to_path={},
+                            swap_folder=str(tmp_path), inflight_params=[],
+                            inflight_swap_in_buffers=[], inflight_numel=0, available_params=set(),
+                            available_numel=0, param_id_to_numel={})
+    param = SimpleNamespace(ds_id=7, ds_tensor=SimpleNamespace(
+        status=PartitionedParamStatus.NOT_AVAILABLE))
+    with pytest.raises(AssertionError) as too_small:
+        swapper.get_buffer(param, 4_194_304)
+    assert swapper_error(too_small.value, "p.json") == (
+        "p.json: zero_optimization.offload_param.buffer_size=4000000: a parameter's partition "
+        "has 4194304 elements; buffer_size must hold the largest one")
+    swapper.available_buffer_ids = []
+    # its diagnostic prints ask the process group for a rank; there is none in this process
+    monkeypatch.setattr(pps, "print_rank_0", lambda *a, **k: None)
+    with pytest.raises(AssertionError) as too_few:
+        swapper.swap_in([param], async_op=False)
+    line = swapper_error(too_few.value, "p.json")
+    assert line.startswith("p.json: zero_optimization.offload_param.buffer_count: DeepSpeed ran "
+                           "out of parameter swap buffers (Not enough buffers 0 for swapping 1)")
+    assert "\n" not in line
+    assert swapper_error(AssertionError("param 18 already assigned swap buffer id 17"),
+                         "p.json").startswith("p.json: zero_optimization.offload_param.max_in_cpu: "
+                                              "DeepSpeed ")
+    assert swapper_error(AssertionError("something else"), "p.json") is None
+    assert swapper_error(RuntimeError("Not enough buffers 0 for swapping 1"), "p.json") is None

@@ -12,9 +12,14 @@ What is counted, per rank, for AdamW under DeepSpeed:
   buffers of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the
   step's gradient partition is made whole before it is swapped out (measured: llama_1b cut to 8
   layers, 2 ranks, 3.84 GiB a rank against 3.07 estimated without it);
-- not counted: parameters offloaded to NVMe (`offload_param`; measured, llama_1b cut to 8
-  layers, 2 ranks: a higher peak than without, 4.44 against 3.71 GiB: the swapper's buffers
-  outweigh so small a partition);
+- parameters offloaded (ZeRO-3 `offload_param`): to the CPU, a GPU rank's 16-bit partition lives
+  in host memory (reported with `host_offload`); to NVMe, DeepSpeed keeps the 16-bit partition in
+  a host buffer up to `max_in_cpu` parameters (default 1e9: all of it below that) and swaps the
+  rest through `buffer_count` x `buffer_size` page-locked buffers (default 5 x 1e8: 0.93 GiB in
+  bf16, resident from zero.Init on; partitioned_param_swapper.py), plus one page-locked buffer of
+  the largest sub-group's whole parameters for the step's swap-out when some are on NVMe
+  (measured, llama_1b cut to 8 layers, 2 ranks, bf16, defaults: 4.45 GiB a rank against 3.64
+  with only the optimizer state on NVMe);
 - activations: the tensors the backward pass keeps, counted from this code's layers (norm
   statistics in fp32, q/k/v/attention output, MLP gates) for one micro-batch, divided by the
   checkpointing policy, plus the loss's: one chunk of logits and the head's gradients when the
@@ -65,8 +70,8 @@ class MemoryEstimate:
     activations: int
     buffers: int
     runtime: int
-    host_offload: int  # a GPU rank's optimizer state and fp32 gradients in host memory (ZeRO
-    #                    offload to the CPU), not in `total`
+    host_offload: int  # a GPU rank's optimizer state and fp32 gradients (ZeRO offload to the
+    #                    CPU) and offloaded 16-bit parameters in host memory, not in `total`
     total: int         # steady state of training
     startup_peak: int  # while the model is built, before DeepSpeed partitions it
     peak: int          # max(total, startup_peak)
@@ -151,8 +156,11 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
              device_type: str = "cpu", reduce_bucket: float = 5e8,
              prefetch_bucket: float = 5e7, contiguous_gradients: bool = True,
              max_live_parameters: float = 1e9, sub_group_size: float = 1e9,
-             swap_buffers: int = 4) -> MemoryEstimate:
-    """`offload_optimizer`: "none", "cpu" or "nvme" (zero_optimization.offload_optimizer.device)."""
+             swap_buffers: int = 4, offload_param: str = "none",
+             param_max_in_cpu: float = 1e9, param_buffers: int = 5,
+             param_buffer_size: float = 1e8) -> MemoryEstimate:
+    """`offload_optimizer`, `offload_param`: "none", "cpu" or "nvme" (the device of
+    zero_optimization's offload_optimizer and offload_param; parameters only under ZeRO-3)."""
     if world % (tp * pp):
         raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
     dp = world // (tp * pp)
@@ -177,6 +185,15 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         swap = swap_buffers * min(sub_group_size, n / zero_div) * 4
     elif offload_optimizer == "cpu" and device_type != "cpu":  # on a CPU nothing leaves the rank
         host, optimizer, gradients = optimizer + grads_fp32, 0, grads_lp
+    param_swap = 0  # host memory of the parameter swapper (a CPU rank's own)
+    if zero_stage == 3 and offload_param == "nvme":
+        partition = n / dp  # in a host buffer up to max_in_cpu, the rest in files
+        parameters = min(partition, param_max_in_cpu) * lp
+        param_swap = param_buffers * param_buffer_size * lp  # page-locked from zero.Init on
+        if partition > param_max_in_cpu:  # the step swaps a sub-group's parameters out
+            param_swap += min(sub_group_size, partition) * dp * lp
+    if zero_stage == 3 and offload_param != "none" and device_type != "cpu":
+        host, parameters, param_swap = host + parameters + param_swap, 0, 0
 
     tokens = micro_batch * seq_length
     per_layer = activation_bytes_per_token_layer(shape, lp) * tokens
@@ -201,12 +218,12 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         # here: llama_1b cut to 8 layers peaked 0.87 GiB a rank above the other terms, at 2 and
         # at 4 ranks alike: its whole 16-bit model), beyond what the prefetch bucket brings
         buffers += max(min(max_live_parameters, n), min(prefetch_bucket, n)) * lp
-    buffers += swap
+    buffers += swap + param_swap
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
     if zero_stage == 3 and pp == 1:  # built sharded (TP: each module's slices partitioned as
         #                                they are made): one tensor whole at a time
-        startup = runtime + largest_tensor(shape) * (4 + lp) + parameters
+        startup = runtime + largest_tensor(shape) * (4 + lp) + parameters + param_swap
     elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
         startup = runtime + n * lp + largest_tensor(shape) * 4
@@ -267,6 +284,7 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
     shape = resolve_shape(cfg.model, vocab)
     zero = ds.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    offload_param = zero.get("offload_param") or {}
     stage = dsc.zero_stage(ds)
     # DeepSpeed's defaults where the config is silent (ZeRO-3 spells its bucket sizes
     # stage3_*; contiguous_gradients defaults on)
@@ -275,7 +293,11 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
                    max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
                    sub_group_size=float(zero.get("sub_group_size", 1e9)),
                    swap_buffers=int((zero.get("offload_optimizer") or {}).get("buffer_count", 4)),
-                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)))
+                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+                   offload_param=offload_param.get("device", "none"),
+                   param_max_in_cpu=float(offload_param.get("max_in_cpu", 1e9)),
+                   param_buffers=int(offload_param.get("buffer_count", 5)),
+                   param_buffer_size=float(offload_param.get("buffer_size", 1e8)))
     args = dict(precision=dsc.precision(ds), zero_stage=stage, **buckets,
                 offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
                 pp=cfg.parallel.pipeline_parallel, vocab_parallel=cfg.parallel.vocab_parallel,

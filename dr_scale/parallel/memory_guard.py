@@ -54,8 +54,8 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
         fixes.append(("ZeRO-3 (--ds_config zero3)", dict(zero_stage=3)))
     if cfg.parallel.activation_checkpointing != "full":
         fixes.append(("parallel.activation_checkpointing=full", dict(checkpointing="full")))
-    fixes.append(("optimizer offload to host memory (--ds_config zero3_offload)",
-                  dict(zero_stage=3, offload_optimizer="cpu")))
+    fixes.append(("optimizer and parameter offload to host memory (--ds_config zero3_offload)",
+                  dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")))
     fixes.append(("optimizer state on NVMe (--ds_config zero3_nvme)",
                   dict(zero_stage=3, offload_optimizer="nvme", sub_group_size=2e7)))
     for factor in (2, 4, 8, 16, 32, 64):
