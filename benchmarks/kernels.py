@@ -7,7 +7,9 @@ Attention (bf16, head_dim 128, causal unless --full, GQA 32 query : 8 key/value 
 larger presets): forward and forward + backward TFLOP/s and % of the part's datasheet peak, for
 triton_flash, SDPA's flash and cuDNN backends and eager attention, over sequence lengths. Fused ops
 (RMSNorm, LayerNorm, SwiGLU, bias+GeLU, rotary, cross-entropy): forward + backward time against the
-torch reference, and the fused kernel's share of the part's memory bandwidth. Writes
+torch reference, and the fused kernel's share of the part's memory bandwidth. The fused LM head
++ cross-entropy (llama_125m's width, 128,256 vocabulary) with its chunks' softmax and gradient in
+Triton against torch. Writes
 results.jsonl and results.md; an implementation that fails on this device is a row saying so.
 """
 import argparse
@@ -117,6 +119,33 @@ def fused_rows(dtype, bandwidth, tokens=16384, hidden=4096, ffn=11008, vocab=320
     return rows
 
 
+def lm_head_row(dtype, tokens=4096, hidden=768, vocab=128256):
+    """The fused LM head + cross-entropy (models/lm_head.py) at llama_125m's width and a Llama-3
+    vocabulary, forward + backward, its chunks' softmax and gradient by the Triton kernels
+    ("fused") against torch's (the matmuls are the same cuBLAS calls in both)."""
+    from dr_scale.kernels import ops
+    from dr_scale.models.lm_head import chunk_tokens, linear_cross_entropy
+
+    h = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = 0.02 * torch.randn(vocab, hidden, device="cuda", dtype=dtype)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    chunk = chunk_tokens(vocab)
+    row = {"kernel": f"lm_head_loss (chunks of {chunk})", "dtype": str(dtype).replace("torch.", "")}
+    try:
+        for key, kernel in (("torch_ms", "torch"), ("fused_ms", "triton_fused")):
+            ops.use_kernels("cuda", dtype, forced={**{op: "torch" for op in ops.OPS},
+                                                   "cross_entropy": kernel})
+            row[key] = bench(fwd_bwd(lambda h, w: linear_cross_entropy(h, w, labels, chunk),
+                                     [h, w]))
+        row["speedup"] = row["torch_ms"] / row["fused_ms"]
+    except Exception as e:  # a row saying so, as for attention
+        row["error"] = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        ops.reset()
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
@@ -136,7 +165,7 @@ def main():
     print(f"device: {device}; bf16 peak {peak and peak / 1e12} TFLOP/s, memory "
           f"{bandwidth and bandwidth / 1e12} TB/s (datasheet)", flush=True)
     rows = (attention_rows(a.seqs, a.head_dim, not a.full, torch.bfloat16, peak)
-            + fused_rows(torch.bfloat16, bandwidth))
+            + fused_rows(torch.bfloat16, bandwidth) + lm_head_row(torch.bfloat16))
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -165,10 +194,15 @@ def markdown(rows, device) -> str:
     lines += ["", "| op (fwd+bwd) | fused ms | torch ms | speedup | fused GB/s | % of memory "
               "bandwidth |", "|---|---|---|---|---|---|"]
     for r in rows:
-        if r["kernel"] != "attention":
-            pct = f"{r['fused_hbm_pct']:.0f}%" if "fused_hbm_pct" in r else "-"
-            lines.append(f"| {r['kernel']} | {r['fused_ms']:.3f} | {r['torch_ms']:.3f} | "
-                         f"{r['speedup']:.2f} | {r['fused_gb_s']:.0f} | {pct} |")
+        if r["kernel"] == "attention":
+            continue
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | failed: {r['error']} | | | | |")
+            continue
+        pct = f"{r['fused_hbm_pct']:.0f}%" if "fused_hbm_pct" in r else "-"
+        gb_s = f"{r['fused_gb_s']:.0f}" if "fused_gb_s" in r else "-"  # the head: matmul-bound
+        lines.append(f"| {r['kernel']} | {r['fused_ms']:.3f} | {r['torch_ms']:.3f} | "
+                     f"{r['speedup']:.2f} | {gb_s} | {pct} |")
     return "\n".join(lines)
 
 

@@ -10,15 +10,24 @@ its fp32 copy, the log-softmax autograd keeps and their gradients: at a 128,256 
 4,096 tokens per micro-batch about 8 GiB in fp32 (benchmarks/lm_head_loss.py measures it).
 
 Why not a library's: Liger-Kernel's FusedLinearCrossEntropy does this in Triton for CUDA only;
-torch has no fused op. This is plain torch, so it runs on every device and under ZeRO-3 (the
-head's weight is gathered by the module's forward hooks, which is why the loss is computed inside
-`LMHead.forward`). Under tensor parallelism DeepSpeed replaces the head by its vocabulary-parallel
-layer, which computes the same fused loss over its slice of the vocabulary (the softmax's maxima
+torch has no fused op. The chunking and matmuls are plain torch, so they run on every device and
+under ZeRO-3 (the head's weight is gathered by the module's forward hooks, which is why the loss
+is computed inside `LMHead.forward`). Each chunk's softmax, loss and gradient go through the
+run's cross-entropy kernel (`model.kernels`, kernels/ops.py): torch makes an fp32 copy of the
+chunk and passes over it five times; Triton (on a GPU where `auto` measures it faster at the
+chunk's shape, kernels/measured.py) reads the 16-bit logits twice and writes their gradient over
+them. Why that can pay (arithmetic, not yet measured on a GPU): per logit the three matmuls do
+6 x hidden FLOPs, the torch path moves ~34 bytes and Triton's ~8; at a hidden size of 768 on an
+H200 (989 TFLOP/s, 4.8 TB/s) that is ~4.7 ps of matmul against ~7 and ~1.7 ps of memory traffic.
+Under tensor parallelism DeepSpeed replaces the head by its vocabulary-parallel layer, which
+computes the same fused loss over its slice of the vocabulary with torch (the softmax's maxima
 and sums all-reduced over the tensor group per chunk: fuse_vocab_parallel_head); a pipeline's
 last stage computes logits and then its loss (parallel/pipeline.py).
 """
 import torch
 from torch import nn
+
+from dr_scale.kernels import ops
 
 # Chunks hold at most this many bytes of fp32 logits (the largest transient of the loss).
 CHUNK_BYTES = 256 * 2 ** 20
@@ -49,24 +58,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             hc, yc, keep = h[start:start + chunk], y[start:start + chunk], counted[start:start + chunk]
-            logits = (hc @ weight.t()).float()
+            logits = hc @ weight.t()
             if group is None:
-                target = yc.masked_fill(~keep, 0)
-                picked = logits.gather(1, target[:, None]).squeeze(1)
-                lse = torch.logsumexp(logits, dim=-1)
-                total += ((lse - picked) * keep).sum()
-                if not (want_h or want_w):
+                # the chunk's loss and d(mean loss)/d(logits) = (softmax - one_hot) / n, by the
+                # run's cross-entropy kernel (torch, or Triton over the 16-bit logits in place)
+                loss, grad = ops.cross_entropy_chunk(logits, yc, ignore_index, 1.0 / n,
+                                                     want_h or want_w)
+                total += loss
+                if grad is None:
                     continue
-                # d(mean loss)/d(logits) = (softmax - one_hot) / n, in place over the logits
-                grad = logits.sub_(lse[:, None]).exp_()
-                grad[torch.arange(len(yc), device=grad.device), target] -= 1.0
             else:
-                grad, target, mine = _slice_softmax(logits, yc, keep, vocab_start, group, total)
+                grad, target, mine = _slice_softmax(logits.float(), yc, keep, vocab_start, group,
+                                                    total)
                 if not (want_h or want_w):
                     continue
                 grad[mine.nonzero().squeeze(1), target[mine]] -= 1.0  # targets in this slice
-            grad.mul_((keep.to(grad.dtype) / n)[:, None])
-            grad = grad.to(weight.dtype)
+                grad.mul_((keep.to(grad.dtype) / n)[:, None])
+                grad = grad.to(weight.dtype)
             if want_h:  # under TP, this slice's share: the caller's ColumnParallel sums them
                 torch.mm(grad, weight, out=grad_h[start:start + chunk])
             if want_w:

@@ -70,3 +70,15 @@ def backward(dlosses, logits, targets, lse, ignore_index):
     _ce_bwd_kernel[(n,)](dlosses.contiguous(), logits, dlogits, targets.contiguous(), lse,
                          logits.stride(0), V, ignore_index, BLOCK_V=_block(V))
     return dlogits
+
+
+def loss_and_grad_(logits, targets, scale, ignore_index):
+    """Per-row losses (fp32; 0 where the target is ignored), then (softmax - onehot) * scale
+    written over `logits` in place: the backward kernel reads each element before its program
+    writes it, so one buffer serves (the fused LM head's chunk: no fp32 copy of it is made)."""
+    n, V = logits.shape
+    losses, lse = forward(logits, targets, ignore_index)
+    dlosses = scale.to(torch.float32).reshape(1).expand(n).contiguous()
+    _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets.contiguous(), lse, logits.stride(0), V,
+                         ignore_index, BLOCK_V=_block(V))
+    return losses
