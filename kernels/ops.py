@@ -70,12 +70,12 @@ def cross_entropy(logits, labels, ignore_index: int = -100):
     return _active["cross_entropy"](logits, labels, ignore_index)
 
 
-def cross_entropy_chunk(logits, targets, ignore_index: int, scale, want_grad: bool):
-    """The fused LM head's per-chunk loss and logits gradient (models/lm_head.py), by the same
-    choice as `cross_entropy`: its Triton kernels where they were chosen, else torch."""
+def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_grad: bool):
+    """The fused LM head's per-chunk logits, loss and logits gradient (models/lm_head.py), by the
+    same choice as `cross_entropy`: its Triton kernels where they were chosen, else torch."""
     chosen = _chosen.get("cross_entropy")
     if chosen is not None and chosen.name == "triton_fused":
         from dr_scale.kernels.triton import cross_entropy_chunk as triton_chunk
 
-        return triton_chunk(logits, targets, ignore_index, scale, want_grad)
-    return reference.cross_entropy_chunk(logits, targets, ignore_index, scale, want_grad)
+        return triton_chunk(hidden, weight, targets, ignore_index, scale, want_grad)
+    return reference.cross_entropy_chunk(hidden, weight, targets, ignore_index, scale, want_grad)

@@ -79,13 +79,14 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int 
                            ignore_index=ignore_index)
 
 
-def cross_entropy_chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, scale,
-                        want_grad: bool):
-    """The fused LM head's step for one chunk of tokens (models/lm_head.py): the chunk's summed
-    loss in fp32 and, with `want_grad`, d(loss * scale)/d(logits) = (softmax - one_hot) * scale in
-    the logits' dtype (0 on ignored rows), computed in fp32 over one copy of the chunk."""
+def cross_entropy_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                        ignore_index: int, scale, want_grad: bool):
+    """The fused LM head's step for one chunk of tokens (models/lm_head.py): the chunk's logits
+    `hidden @ weight.T`, their summed loss in fp32 and, with `want_grad`, d(loss * scale)/d(logits)
+    = (softmax - one_hot) * scale in the weight's dtype (0 on ignored rows), computed in fp32 over
+    one copy of the logits (the 16-bit product is freed as it is copied)."""
     keep = targets != ignore_index
-    x = logits.float()
+    x = (hidden @ weight.t()).float()
     target = targets.masked_fill(~keep, 0)
     picked = x.gather(1, target[:, None]).squeeze(1)
     lse = torch.logsumexp(x, dim=-1)
@@ -95,4 +96,4 @@ def cross_entropy_chunk(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     grad = x.sub_(lse[:, None]).exp_()  # in place over the fp32 copy
     grad[torch.arange(len(target), device=grad.device), target] -= 1.0
     grad.mul_((keep.to(grad.dtype) * scale)[:, None])
-    return loss, grad.to(logits.dtype)
+    return loss, grad.to(weight.dtype)

@@ -58,18 +58,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for start in range(0, h.shape[0], chunk):
             hc, yc, keep = h[start:start + chunk], y[start:start + chunk], counted[start:start + chunk]
-            logits = hc @ weight.t()
             if group is None:
                 # the chunk's loss and d(mean loss)/d(logits) = (softmax - one_hot) / n, by the
                 # run's cross-entropy kernel (torch, or Triton over the 16-bit logits in place)
-                loss, grad = ops.cross_entropy_chunk(logits, yc, ignore_index, 1.0 / n,
+                loss, grad = ops.cross_entropy_chunk(hc, weight, yc, ignore_index, 1.0 / n,
                                                      want_h or want_w)
                 total += loss
                 if grad is None:
                     continue
             else:
-                grad, target, mine = _slice_softmax(logits.float(), yc, keep, vocab_start, group,
-                                                    total)
+                grad, target, mine = _slice_softmax((hc @ weight.t()).float(), yc, keep,
+                                                    vocab_start, group, total)
                 if not (want_h or want_w):
                     continue
                 grad[mine.nonzero().squeeze(1), target[mine]] -= 1.0  # targets in this slice

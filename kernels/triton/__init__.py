@@ -114,18 +114,16 @@ def cross_entropy(logits, targets, ignore_index: int = -100):
     return losses.sum() / count
 
 
-def cross_entropy_chunk(logits, targets, ignore_index: int, scale, want_grad: bool):
-    """The fused LM head's step for one chunk of tokens (models/lm_head.py): the chunk's summed
-    loss (fp32) and, with `want_grad`, d(loss * scale)/d(logits) written over `logits` in its
-    dtype. Two passes over the chunk's 16-bit logits; the torch path
+def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_grad: bool):
+    """The fused LM head's step for one chunk of tokens (models/lm_head.py): the chunk's logits
+    `hidden @ weight.T` in the weight's dtype, their summed loss (fp32) and, with `want_grad`,
+    d(loss * scale)/d(logits) written over them. Two passes over the 16-bit logits; the torch path
     (reference.cross_entropy_chunk) makes an fp32 copy and passes over it five times."""
     from dr_scale.kernels.triton import cross_entropy_kernels as ce
 
+    logits = hidden @ weight.t()
     policy.CROSS_ENTROPY.check("cross_entropy", "triton_fused", logits)
     _check_device("cross_entropy", logits)
-    if not logits.is_contiguous():
-        raise DrScaleError("cross_entropy_chunk: the chunk's logits must be contiguous (they are "
-                           "overwritten by their gradient)")
     if not want_grad:
         return ce.forward(logits, targets, ignore_index)[0].sum(), None
     return ce.loss_and_grad_(logits, targets, scale, ignore_index).sum(), logits
