@@ -6,8 +6,9 @@
 Small layouts (the tiny preset widened) train a few steps under each ZeRO stage, TP and
 checkpointing. The llama_1b layouts (cut to 8 layers, the bundled tokenizer's 4,096 vocabulary:
 the full depth does not fit 2 ranks of a 24 GiB machine) are the big-model paths: ZeRO-3 on 2 and
-on 4 ranks (memory that falls with ranks), ZeRO-Infinity with the optimizer state on NVMe
-(needs libaio), the same run started from a sharded Hugging Face folder (model.init_from,
+on 4 ranks (memory that falls with ranks; as bundled, and with at most 1e8 gathered parameters
+and freed pages trimmed), ZeRO-Infinity with the optimizer state on NVMe (needs libaio) and with
+the parameters too, the same run started from a sharded Hugging Face folder (model.init_from,
 streamed into each rank's partition), and `dr-scale export` of its checkpoint. The measured peak
 (max over ranks of the resident set from process start, start-up included; for the export, the
 export process's) is set beside `dr-scale estimate`'s `peak` (and `export_peak`) for the same
@@ -24,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_results import write_results  # noqa: E402
+from dr_scale import ds_config as dsc  # noqa: E402
 from import_stream import make_folder  # noqa: E402
-from memory_scaling import estimated, measured  # noqa: E402
+from memory_scaling import estimated, fewer_live, measured  # noqa: E402
 from throughput import run_point  # noqa: E402
 
 SEQ, MICRO = 256, 4
@@ -43,7 +45,12 @@ BIG_PRESET, BIG_LAYERS, BIG_VOCAB, BIG_SEQ = "llama_1b", 8, 4096, 256
 BIG = {  # name: (ds_config, ranks, what the run starts from)
     "llama_1b_8l_zero3_2r": ("zero3", 2, "fresh"),
     "llama_1b_8l_zero3_4r": ("zero3", 4, "fresh"),
+    # memory that falls with ranks (README): at most 1e8 gathered parameters, freed pages trimmed
+    "llama_1b_8l_zero3_lean_2r": ("zero3", 2, "lean"),
+    "llama_1b_8l_zero3_lean_4r": ("zero3", 4, "lean"),
     "llama_1b_8l_zero3_nvme_2r": ("zero3_nvme", 2, "fresh"),
+    # parameters on NVMe too, DeepSpeed's defaults (max_in_cpu 1e9: the partition stays in memory)
+    "llama_1b_8l_zero3_nvme_params_2r": ("zero3_nvme", 2, "params_nvme"),
     "llama_1b_8l_zero3_2r_init_from": ("zero3", 2, "folder"),
     "llama_1b_8l_export": ("zero3", 2, "export"),
 }
@@ -69,8 +76,16 @@ def big(name, work) -> dict:
         extra = [f"model.init_from={folder}"]
     if start == "export":
         extra = ["train.save_interval=3"]
+    if start == "lean":
+        ds, extra = fewer_live(ds, 1e8, work), ["train.release_host_memory=true"]
+    if start == "params_nvme":
+        raw = dsc.read_json(dsc.resolve_path(ds))
+        raw["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "auto"}
+        ds = str(Path(work) / "zero3_nvme_params.json")
+        Path(ds).write_text(json.dumps(raw, indent=2))
     row = measured(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS, work, extra)
-    estimate = estimated(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS)["bytes_per_rank"]
+    estimate = estimated(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS,
+                         extra)["bytes_per_rank"]
     if start != "export":
         return {"measured_bytes": int(row["peak_rss_gib"] * 2**30),
                 "estimate_bytes": estimate["peak"]}

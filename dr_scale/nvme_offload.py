@@ -13,6 +13,7 @@ node-local NVMe mount instead (a shared file system works, slowly). Each rank wr
 `zero_stage_3/<kind>/rank<N>/` there.
 """
 import os
+import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -152,8 +153,6 @@ def swapper_error(exc: BaseException, ds_source: str) -> Optional[str]:
     deep in the model's build or a forward; None for any other error. With `max_in_cpu` below a
     rank's partition every parameter in use takes one of `buffer_count` page-locked buffers of
     `buffer_size` elements until it is released."""
-    import re
-
     text = str(exc).strip()
     if not isinstance(exc, AssertionError):
         return None

@@ -78,7 +78,8 @@ def loss_and_grad_(logits, targets, scale, ignore_index):
     writes it, so one buffer serves (the fused LM head's chunk: no fp32 copy of it is made)."""
     n, V = logits.shape
     losses, lse = forward(logits, targets, ignore_index)
-    dlosses = scale.to(torch.float32).reshape(1).expand(n).contiguous()
+    dlosses = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1) \
+        .expand(n).contiguous()
     _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets.contiguous(), lse, logits.stride(0), V,
                          ignore_index, BLOCK_V=_block(V))
     return losses
