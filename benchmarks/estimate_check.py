@@ -15,7 +15,6 @@ export process's) is set beside `dr-scale estimate`'s `peak` (and `export_peak`)
 settings. Writes results.jsonl and results.md; the CPU model heads both.
 """
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -25,9 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_results import write_results  # noqa: E402
-from dr_scale import ds_config as dsc  # noqa: E402
 from import_stream import make_folder  # noqa: E402
-from memory_scaling import estimated, fewer_live, measured  # noqa: E402
+from memory_scaling import config_variant, estimated, fewer_live, measured  # noqa: E402
 from throughput import run_point  # noqa: E402
 
 SEQ, MICRO = 256, 4
@@ -79,10 +77,8 @@ def big(name, work) -> dict:
     if start == "lean":
         ds, extra = fewer_live(ds, 1e8, work), ["train.release_host_memory=true"]
     if start == "params_nvme":
-        raw = dsc.read_json(dsc.resolve_path(ds))
-        raw["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "auto"}
-        ds = str(Path(work) / "zero3_nvme_params.json")
-        Path(ds).write_text(json.dumps(raw, indent=2))
+        ds = config_variant(ds, "params", work,
+                            offload_param={"device": "nvme", "nvme_path": "auto"})
     row = measured(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS, work, extra)
     estimate = estimated(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS,
                          extra)["bytes_per_rank"]

@@ -72,16 +72,22 @@ def estimated(ds_config, preset, seq, ranks, vocab, layers, overrides=()) -> dic
     return json.loads(proc.stdout)
 
 
-def fewer_live(ds_config, live: float, work) -> str:
-    """A copy of `ds_config` keeping at most `live` gathered parameters (a path to it)."""
+def config_variant(ds_config, name: str, work, **zero) -> str:
+    """A copy of `ds_config` with `zero` set in its zero_optimization, written to `work` under
+    `name` (a path to it)."""
     from dr_scale import ds_config as dsc
 
     ds = dsc.read_json(dsc.resolve_path(ds_config))
-    ds["zero_optimization"].update(stage3_max_live_parameters=live,
-                                   stage3_max_reuse_distance=live)
-    path = Path(work) / f"{Path(ds_config).stem}_live{live:g}.json"
+    ds["zero_optimization"].update(zero)
+    path = Path(work) / f"{Path(ds_config).stem}_{name}.json"
     path.write_text(json.dumps(ds, indent=2))
     return str(path)
+
+
+def fewer_live(ds_config, live: float, work) -> str:
+    """A copy of `ds_config` keeping at most `live` gathered parameters (a path to it)."""
+    return config_variant(ds_config, f"live{live:g}", work, stage3_max_live_parameters=live,
+                          stage3_max_reuse_distance=live)
 
 
 def main(argv=None):

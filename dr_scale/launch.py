@@ -162,15 +162,18 @@ def main(argv=None):
             args.ds_config)))
         if not error:
             raise
-        rank = os.environ.get("RANK", "0")
-        say(f"{'' if rank == '0' else f'[rank {rank}] '}dr_scale: error: {error}")
+        say_error(error)
         code = 2
     except DrScaleError as e:
-        rank = os.environ.get("RANK", "0")
-        prefix = "" if rank == "0" else f"[rank {rank}] "
-        say(f"{prefix}dr_scale: error: {e}")
+        say_error(str(e))
         code = 2
     leave(code)
+
+
+def say_error(text: str):
+    """`dr_scale: error: text`, prefixed by the rank on every rank but 0."""
+    rank = os.environ.get("RANK", "0")
+    say(f"{'' if rank == '0' else f'[rank {rank}] '}dr_scale: error: {text}")
 
 
 def say(line: str):
