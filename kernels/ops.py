@@ -70,12 +70,31 @@ def cross_entropy(logits, labels, ignore_index: int = -100):
     return _active["cross_entropy"](logits, labels, ignore_index)
 
 
-def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_grad: bool):
-    """The fused LM head's per-chunk logits, loss and logits gradient (models/lm_head.py), by the
-    same choice as `cross_entropy`: its Triton kernels where they were chosen, else torch."""
+def _fused_head_kernels():
+    """Where the fused LM head's chunk kernels come from: the module of the cross-entropy
+    implementation chosen for this run (Triton's where it was chosen, else the torch reference)."""
     chosen = _chosen.get("cross_entropy")
     if chosen is not None and chosen.name == "triton_fused":
-        from dr_scale.kernels.triton import cross_entropy_chunk as triton_chunk
+        from dr_scale.kernels import triton
 
-        return triton_chunk(hidden, weight, targets, ignore_index, scale, want_grad)
-    return reference.cross_entropy_chunk(hidden, weight, targets, ignore_index, scale, want_grad)
+        return triton
+    return reference
+
+
+def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_grad: bool):
+    """The fused LM head's per-chunk logits, loss and logits gradient (models/lm_head.py), by the
+    same choice as `cross_entropy`."""
+    return _fused_head_kernels().cross_entropy_chunk(hidden, weight, targets, ignore_index, scale,
+                                                     want_grad)
+
+
+def slice_logits_lse(hidden, weight, local_targets, ignore_index: int):
+    """A vocabulary-parallel head's chunk: (logits kept for slice_grad_, the slice's log-sum-exp,
+    the target logits); the tensor group combines the last two (models/lm_head.py)."""
+    return _fused_head_kernels().slice_logits_lse(hidden, weight, local_targets, ignore_index)
+
+
+def slice_grad_(logits, lse, local_targets, keep, ignore_index: int, scale, dtype):
+    """The slice's logits gradient from the whole vocabulary's log-sum-exp, over `logits`."""
+    return _fused_head_kernels().slice_grad_(logits, lse, local_targets, keep, ignore_index,
+                                             scale, dtype)

@@ -97,3 +97,27 @@ def cross_entropy_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
     grad[torch.arange(len(target), device=grad.device), target] -= 1.0
     grad.mul_((keep.to(grad.dtype) * scale)[:, None])
     return loss, grad.to(weight.dtype)
+
+
+def slice_logits_lse(hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor,
+                     ignore_index: int):
+    """One chunk of a vocabulary-parallel head (models/lm_head.py): this slice's logits
+    `hidden @ weight.T`, kept in fp32 for `slice_grad_`, their log-sum-exp over the slice's columns
+    and each row's target logit (0 where `local_targets` is `ignore_index`: the target is in
+    another slice, or ignored)."""
+    x = (hidden @ weight.t()).float()
+    mine = local_targets != ignore_index
+    picked = x.gather(1, local_targets.masked_fill(~mine, 0)[:, None]).squeeze(1) * mine
+    return x, torch.logsumexp(x, dim=-1), picked
+
+
+def slice_grad_(logits: torch.Tensor, lse: torch.Tensor, local_targets: torch.Tensor,
+                keep: torch.Tensor, ignore_index: int, scale, dtype):
+    """d(loss * scale)/d(this slice's logits) = (softmax - one_hot) * scale on kept rows, 0 on
+    ignored ones, from the whole vocabulary's log-sum-exp `lse`; over `logits` (from
+    `slice_logits_lse`) in place, returned in `dtype`."""
+    grad = logits.sub_(lse[:, None]).exp_()
+    rows = (local_targets != ignore_index).nonzero().squeeze(1)
+    grad[rows, local_targets[rows]] -= 1.0
+    grad.mul_((keep.to(grad.dtype) * scale)[:, None])
+    return grad.to(dtype)

@@ -238,3 +238,14 @@ def test_fused_lm_head_with_triton_chunks_equals_torch_and_whole_logits(dtype, c
         assert_close(got.reshape(-1), ref.reshape(-1).float(), dtype, pol, f"{what} vs torch chunks")
     assert torch.equal(alone, triton_path[0])
     assert triton_path[1][0, :5].abs().max() == 0
+
+
+def test_vocabulary_parallel_fused_head_with_triton_slices_equals_whole_logits(tmp_path):
+    """The fused head over a vocabulary-parallel slice (two gloo ranks, uneven slices, ignored
+    tokens, targets at both slices' edges) with cross_entropy=triton_fused: each slice's
+    log-sum-exp and target logits from the forward kernel, combined over the group, and its
+    gradient written in place by the backward kernel; loss and gradients against the whole
+    logits on one process (fp32 1e-5, bf16 2e-2)."""
+    from tests.test_lm_head import check_vocabulary_parallel_loss
+
+    check_vocabulary_parallel_loss(tmp_path, "triton_fused")

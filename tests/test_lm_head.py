@@ -98,11 +98,17 @@ def test_vocabulary_parallel_fused_loss_equals_the_whole_logits(tmp_path):
     tokens at a time with ignored tokens: the loss, the hidden states' gradient (the slices'
     shares summed by DeepSpeed's ColumnParallel) and each slice's weight gradient equal the
     single-process whole-logits cross-entropy (fp32: 1e-5; bf16: the cross-entropy policy)."""
+    check_vocabulary_parallel_loss(tmp_path, "torch")
+
+
+def check_vocabulary_parallel_loss(tmp_path, kernel: str):
+    """tests/scripts/vocab_parallel_loss.py with the slices' softmax by `kernel`, checked as
+    above (test_kernels_triton.py runs it with the Triton kernels)."""
     import json
 
     from tests.conftest import run_rank_script
 
-    run_rank_script("vocab_parallel_loss.py", tmp_path, timeout=120)
+    run_rank_script("vocab_parallel_loss.py", tmp_path, kernel, timeout=240)
     for rank in (0, 1):
         r = json.loads((tmp_path / f"result.{rank}").read_text())
         for dtype, tol in (("float32", 1e-5), ("bfloat16", 2e-2)):

@@ -20,8 +20,9 @@ them. Why that can pay (arithmetic, not yet measured on a GPU): per logit the th
 6 x hidden FLOPs, the torch path moves ~34 bytes and Triton's ~8; at a hidden size of 768 on an
 H200 (989 TFLOP/s, 4.8 TB/s) that is ~4.7 ps of matmul against ~7 and ~1.7 ps of memory traffic.
 Under tensor parallelism DeepSpeed replaces the head by its vocabulary-parallel layer, which
-computes the same fused loss over its slice of the vocabulary with torch (the softmax's maxima
-and sums all-reduced over the tensor group per chunk: fuse_vocab_parallel_head); a pipeline's
+computes the same fused loss over its slice of the vocabulary (fuse_vocab_parallel_head): the
+kernel gives each slice's log-sum-exp and target logits, two small all-reduces a chunk make them
+the whole vocabulary's, and the kernel writes the slice's gradient from them; a pipeline's
 last stage computes logits and then its loss (parallel/pipeline.py).
 """
 import torch
@@ -67,13 +68,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad is None:
                     continue
             else:
-                grad, target, mine = _slice_softmax((hc @ weight.t()).float(), yc, keep,
-                                                    vocab_start, group, total)
+                # this slice's log-sum-exp and target logits, combined over the tensor group
+                local = torch.where(keep, yc - vocab_start, ignore_index)
+                local = local.masked_fill((local < 0) | (local >= weight.shape[0]), ignore_index)
+                logits, lse, picked = ops.slice_logits_lse(hc, weight, local, ignore_index)
+                lse, picked = _whole_vocabulary(lse, picked, group)
+                total += ((lse - picked) * keep).sum()
                 if not (want_h or want_w):
                     continue
-                grad[mine.nonzero().squeeze(1), target[mine]] -= 1.0  # targets in this slice
-                grad.mul_((keep.to(grad.dtype) / n)[:, None])
-                grad = grad.to(weight.dtype)
+                grad = ops.slice_grad_(logits, lse, local, keep, ignore_index, 1.0 / n,
+                                       weight.dtype)
             if want_h:  # under TP, this slice's share: the caller's ColumnParallel sums them
                 torch.mm(grad, weight, out=grad_h[start:start + chunk])
             if want_w:
@@ -95,28 +99,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def _slice_softmax(logits, labels, keep, vocab_start: int, group, total):
-    """A chunk's softmax over the whole vocabulary from this rank's slice of it (the columns
-    [vocab_start, vocab_start + slice)): the row maxima and then the exp-sums and target logits
-    summed over the tensor group, two small all-reduces a chunk. Adds the chunk's loss to `total`;
-    returns the softmax slice (in place of `logits`), the targets' local columns and which rows'
-    targets fall in this slice."""
+def _whole_vocabulary(lse, picked, group):
+    """The whole vocabulary's log-sum-exp and target logit per row from each slice's (the target
+    logit is nonzero in one slice only): the maximum, then the exp-sums and target logits summed
+    over the tensor group, two small all-reduces a chunk."""
     from dr_scale import comm
 
-    width = logits.shape[1]
-    local = labels - vocab_start
-    mine = keep & (local >= 0) & (local < width)
-    target = local.clamp(0, width - 1)
-    row_max = logits.max(dim=-1).values
-    comm.all_reduce(row_max, "max", group=group)
-    sums = torch.stack([torch.zeros_like(row_max),
-                        logits.gather(1, target[:, None]).squeeze(1) * mine])
-    probs = logits.sub_(row_max[:, None]).exp_()
-    sums[0] = probs.sum(dim=-1)
+    top = lse.clone()
+    comm.all_reduce(top, "max", group=group)
+    sums = torch.stack([(lse - top).exp(), picked])
     comm.all_reduce(sums, group=group)
-    lse = row_max + sums[0].log()
-    total += ((lse - sums[1]) * keep).sum()
-    return probs.div_(sums[0][:, None]), target, mine
+    return top + sums[0].log(), sums[1]
 
 
 def linear_cross_entropy(hidden, weight, labels, chunk: int, ignore_index: int = IGNORE_INDEX,

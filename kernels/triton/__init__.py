@@ -127,3 +127,22 @@ def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_
     if not want_grad:
         return ce.forward(logits, targets, ignore_index)[0].sum(), None
     return ce.loss_and_grad_(logits, targets, scale, ignore_index).sum(), logits
+
+
+def slice_logits_lse(hidden, weight, local_targets, ignore_index: int):
+    """A vocabulary-parallel head's chunk (models/lm_head.py): this slice's logits in the weight's
+    dtype, kept for `slice_grad_`, with their log-sum-exp and target logits (fp32) from one pass
+    of the forward kernel; reference.slice_logits_lse keeps an fp32 copy instead."""
+    from dr_scale.kernels.triton import cross_entropy_kernels as ce
+
+    logits = hidden @ weight.t()
+    policy.CROSS_ENTROPY.check("cross_entropy", "triton_fused", logits)
+    _check_device("cross_entropy", logits)
+    return (logits, *ce.slice_logits_lse(logits, local_targets.contiguous(), ignore_index))
+
+
+def slice_grad_(logits, lse, local_targets, keep, ignore_index: int, scale, dtype):
+    """The slice's logits gradient written over its 16-bit logits (already in `dtype`)."""
+    from dr_scale.kernels.triton import cross_entropy_kernels as ce
+
+    return ce.slice_grad_(logits, lse, local_targets, keep, ignore_index, scale)

@@ -83,3 +83,26 @@ def loss_and_grad_(logits, targets, scale, ignore_index):
     _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets.contiguous(), lse, logits.stride(0), V,
                          ignore_index, BLOCK_V=_block(V))
     return losses
+
+
+def slice_logits_lse(logits, local_targets, ignore_index):
+    """A vocabulary slice's log-sum-exp per row and each row's target logit (0 where the target
+    is `ignore_index`: elsewhere or ignored), from the forward kernel's one pass over the 16-bit
+    logits (its loss there is lse - target logit)."""
+    losses, lse = forward(logits, local_targets, ignore_index)
+    mine = local_targets != ignore_index
+    return lse, torch.where(mine, lse - losses, 0.0)
+
+
+def slice_grad_(logits, lse, local_targets, keep, ignore_index, scale):
+    """(softmax - onehot) * scale over a vocabulary slice's logits in place, from the whole
+    vocabulary's `lse`: rows whose target is in another slice get the softmax alone (target -1
+    matches no column), ignored rows 0 (the kernel zeroes rows whose target is `ignore_index`)."""
+    n, V = logits.shape
+    targets = torch.where(local_targets != ignore_index, local_targets,
+                          torch.where(keep, -1, ignore_index)).contiguous()
+    dlosses = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1) \
+        .expand(n).contiguous()
+    _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets, lse.contiguous(), logits.stride(0), V,
+                         ignore_index, BLOCK_V=_block(V))
+    return logits

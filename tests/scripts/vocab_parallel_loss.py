@@ -1,7 +1,8 @@
 """Run by tests/test_lm_head.py on 2 ranks (torch.multiprocessing, gloo): the fused loss over a
 vocabulary-parallel head (uneven slices of 101 rows), several chunks and ignored tokens, against
 the whole-logits loss on one process. Each rank writes its loss, hidden-state gradient and its
-slice's weight gradient, and the reference's."""
+slice's weight gradient, and the reference's. With a third argument `triton_fused` the slices go
+through the Triton cross-entropy kernels (on CPU under TRITON_INTERPRET=1)."""
 import os
 import sys
 
@@ -11,7 +12,7 @@ import torch.multiprocessing as mp
 from rank_result import write_and_leave
 
 
-def rank_main(rank, port, out):
+def rank_main(rank, port, out, kernel):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))
     import deepspeed
@@ -19,6 +20,7 @@ def rank_main(rank, port, out):
 
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False)  # ColumnParallel asks it
 
+    from dr_scale.kernels import ops
     from dr_scale.models.lm_head import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -38,6 +40,7 @@ def rank_main(rank, port, out):
     result = {"ref": ref.item(), "ref_grad_h": rh.grad.tolist(),
               "ref_grad_w": rw.grad[start:start + rows[rank]].tolist()}
     for dtype in (torch.float32, torch.bfloat16):
+        ops.use_kernels("cpu", dtype, forced={"cross_entropy": kernel})
         h = hidden.clone().to(dtype).requires_grad_()
         w = weight[start:start + rows[rank]].clone().to(dtype).requires_grad_()
         loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels, 8, group=group,
@@ -50,4 +53,5 @@ def rank_main(rank, port, out):
 
 
 if __name__ == "__main__":
-    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+    kernel = sys.argv[3] if len(sys.argv) > 3 else "torch"
+    mp.spawn(rank_main, args=(int(sys.argv[1]), sys.argv[2], kernel), nprocs=2)
