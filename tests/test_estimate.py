@@ -104,12 +104,22 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z3_70b["startup_peak"] < 2 * 2**30 and z3_70b["peak"] == z3_70b["total"]
 
 
-def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path, monkeypatch,
+                                                                native_bf16):
     """offload_param to NVMe: DeepSpeed keeps the 16-bit partition in a host buffer up to
     max_in_cpu parameters and page-locks buffer_count x buffer_size swap buffers (its defaults,
     read from its config class); beyond max_in_cpu the partition is in files, and the step's
-    swap-out takes one buffer of a sub-group's whole parameters."""
+    swap-out takes one buffer of a sub-group's whole parameters. All in the model's dtype: bf16
+    on a GPU or a CPU with native bf16, else fp32: both CPUs, by the flags the estimate reads."""
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
+
+    from dr_scale import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(
+        {"avx512f", "avx512_bf16"} if native_bf16 else {"avx2"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    width = 2 if native_bf16 else 4  # bytes a parameter on the CPU
 
     defaults = DeepSpeedZeroOffloadParamConfig()
     assert (defaults.buffer_count, defaults.buffer_size, defaults.max_in_cpu) == (5, 1e8, 1e9)
@@ -124,15 +134,16 @@ def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path):
     (tmp_path / "files.json").write_text(json.dumps(ds))
     optimizer_only = estimate("zero3_nvme", 8, *big)
     stays = estimate(str(tmp_path / "params.json"), 8, *big)  # 842M a rank < max_in_cpu
-    assert stays["parameters"] == optimizer_only["parameters"] == pytest.approx(2 * n / 8)
-    assert stays["buffers"] - optimizer_only["buffers"] == 5 * 100_000_000 * 2
+    assert stays["parameters"] == optimizer_only["parameters"] == pytest.approx(width * n / 8)
+    assert stays["buffers"] - optimizer_only["buffers"] == 5 * 100_000_000 * width
     files = estimate(str(tmp_path / "files.json"), 8, *big)
-    assert files["parameters"] == 100_000_000 * 2
-    assert files["buffers"] - optimizer_only["buffers"] == 5 * 100_000_000 * 2 + 20_000_000 * 8 * 2
+    assert files["parameters"] == 100_000_000 * width
+    assert files["buffers"] - optimizer_only["buffers"] == \
+        5 * 100_000_000 * width + 20_000_000 * 8 * width
     assert files["startup_peak"] < stays["startup_peak"]
     # on a GPU all of it is host memory
     gpu = estimate(str(tmp_path / "files.json"), 8, *big, device="cuda")
     gpu_optimizer_only = estimate("zero3_nvme", 8, *big, device="cuda")
-    assert gpu["parameters"] == 0 and gpu["host_offload"] == files["parameters"] + (
-        files["buffers"] - optimizer_only["buffers"])
+    assert gpu["parameters"] == 0 and gpu["host_offload"] == \
+        (100_000_000 + 5 * 100_000_000 + 20_000_000 * 8) * 2  # bf16 on a GPU
     assert gpu["total"] == gpu_optimizer_only["total"] - gpu_optimizer_only["parameters"]
