@@ -73,6 +73,8 @@ def run(args):
     precision = dsc.precision(ds)
     check_precision(ds, precision, ds_path)
     offload_note = nvme_offload.prepare_dirs(ds, str(ds_path))
+    if "offload_param" in nvme_offload.nvme_sections(ds):
+        nvme_offload.swap_in_each_parameter_once()
     layout = dsc.batch_layout(cfg.train, topo.data)
     resume_step, resume_at, resume_plan = None, (0, 0), None
     if args.resume:

@@ -86,6 +86,31 @@ def prepare_dirs(ds: Dict, source: str) -> Optional[str]:
             "use: minutes, once per machine)")
 
 
+def swap_in_each_parameter_once() -> None:
+    """Make DeepSpeed's parameter swapper swap a parameter in once however often it is asked in
+    one call. DeepSpeed 0.19.8's NVMe prefetch (the parameter coordinator's
+    `__prefetch_nvme_param_partitions`) walks the step's parameter trace, in which a parameter
+    that two modules share (tied embeddings: the embedding and the LM head) appears twice, and
+    passes both to `swap_in`: the second buffer assignment asserts ("param N already assigned swap
+    buffer id M") at the first step with a recorded trace, the second. Repeats are dropped before
+    DeepSpeed's own swap_in (not where the coordinator builds the list: that method is private)."""
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
+        AsyncPartitionedParameterSwapper as Swapper)
+
+    plain = Swapper.swap_in
+    if getattr(plain, "dr_scale_once", False):
+        return
+
+    def swap_in(self, params, async_op=True, swap_in_buffers=None):
+        if swap_in_buffers is None:  # given buffers pair with params one to one: left alone
+            seen = set()
+            params = [p for p in params if not (p.ds_id in seen or seen.add(p.ds_id))]
+        return plain(self, params, async_op=async_op, swap_in_buffers=swap_in_buffers)
+
+    swap_in.dr_scale_once = True
+    Swapper.swap_in = swap_in
+
+
 def restore_optimizer_state(engine, load_dir, tag: str) -> None:
     """Give Adam back its step counts and moments after DeepSpeed loads an NVMe-offloaded
     checkpoint. DeepSpeed 0.19.8 copies the checkpoint's swap files (fp32 master weights and
@@ -166,10 +191,10 @@ def swapper_error(exc: BaseException, ds_source: str) -> Optional[str]:
                 f"parameters were in use at once than there are buffers; raise buffer_count, "
                 f"lower stage3_max_live_parameters and stage3_prefetch_bucket_size, or raise "
                 f"max_in_cpu to keep more of the partition in memory")
-    if "already assigned swap buffer" in text:  # its prefetch at the second step, buffers aplenty
+    if "already assigned swap buffer" in text:  # a repeat swap_in_each_parameter_once missed
         import deepspeed
 
         return (f"{key}.max_in_cpu: DeepSpeed {deepspeed.__version__}'s parameter swapper failed "
-                f"({text}) with parameters in files; it trained one step here and stopped at the "
-                f"second; raise max_in_cpu above a rank's partition to keep them in memory")
+                f"({text}) with parameters in files; raise max_in_cpu above a rank's partition "
+                f"to keep them in memory")
     return None
