@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm, nvme_offload
+from dr_scale import comm, nvme_offload, op_builds
 from dr_scale import ds_config as dsc
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.data.documents import DocumentBoundaries
@@ -41,6 +41,9 @@ from dr_scale.train.trainer import Trainer
 def check_config(args):
     """Step 1, before any process group or build: the experiment config, the DeepSpeed JSON and
     every refusal of the parallel layout, against the world the launcher announced."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one machine's folder: one rank says it
+        for line in op_builds.lock_warnings():
+            say(f"dr_scale: warning: {line}")
     fresh_over_old = settle_resume(args)
     cfg, run_dir, init_state = load_run_config(args)
     ds_path = dsc.resolve_path(args.ds_config)
