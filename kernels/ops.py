@@ -89,12 +89,12 @@ def cross_entropy_chunk(hidden, weight, targets, ignore_index: int, scale, want_
 
 
 def slice_logits_lse(hidden, weight, local_targets, ignore_index: int):
-    """A vocabulary-parallel head's chunk: (logits kept for slice_grad_, the slice's log-sum-exp,
+    """A vocabulary-parallel head's chunk: (state kept for slice_grad_, the slice's log-sum-exp,
     the target logits); the tensor group combines the last two (models/lm_head.py)."""
     return _fused_head_kernels().slice_logits_lse(hidden, weight, local_targets, ignore_index)
 
 
-def slice_grad_(logits, lse, local_targets, keep, ignore_index: int, scale, dtype):
-    """The slice's logits gradient from the whole vocabulary's log-sum-exp, over `logits`."""
-    return _fused_head_kernels().slice_grad_(logits, lse, local_targets, keep, ignore_index,
+def slice_grad_(state, lse, local_targets, keep, ignore_index: int, scale, dtype):
+    """The slice's logits gradient from the whole vocabulary's log-sum-exp, over `state`."""
+    return _fused_head_kernels().slice_grad_(state, lse, local_targets, keep, ignore_index,
                                              scale, dtype)

@@ -101,22 +101,25 @@ def cross_entropy_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: tor
 
 def slice_logits_lse(hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor,
                      ignore_index: int):
-    """One chunk of a vocabulary-parallel head (models/lm_head.py): this slice's logits
-    `hidden @ weight.T`, kept in fp32 for `slice_grad_`, their log-sum-exp over the slice's columns
-    and each row's target logit (0 where `local_targets` is `ignore_index`: the target is in
-    another slice, or ignored)."""
+    """One chunk of a vocabulary-parallel head (models/lm_head.py): (what `slice_grad_` needs,
+    the log-sum-exp of this slice's logits `hidden @ weight.T` over its columns, each row's
+    target logit: 0 where `local_targets` is `ignore_index`, the target elsewhere or ignored).
+    One fp32 copy of the logits, exponentiated in place (no second chunk-sized tensor)."""
     x = (hidden @ weight.t()).float()
     mine = local_targets != ignore_index
     picked = x.gather(1, local_targets.masked_fill(~mine, 0)[:, None]).squeeze(1) * mine
-    return x, torch.logsumexp(x, dim=-1), picked
+    row_max = x.max(dim=-1).values
+    sums = x.sub_(row_max[:, None]).exp_().sum(dim=-1)
+    return (x, row_max), row_max + sums.log(), picked
 
 
-def slice_grad_(logits: torch.Tensor, lse: torch.Tensor, local_targets: torch.Tensor,
-                keep: torch.Tensor, ignore_index: int, scale, dtype):
+def slice_grad_(state, lse: torch.Tensor, local_targets: torch.Tensor, keep: torch.Tensor,
+                ignore_index: int, scale, dtype):
     """d(loss * scale)/d(this slice's logits) = (softmax - one_hot) * scale on kept rows, 0 on
-    ignored ones, from the whole vocabulary's log-sum-exp `lse`; over `logits` (from
-    `slice_logits_lse`) in place, returned in `dtype`."""
-    grad = logits.sub_(lse[:, None]).exp_()
+    ignored ones, from the whole vocabulary's log-sum-exp `lse`, in place over the state of
+    `slice_logits_lse`; returned in `dtype`."""
+    x, row_max = state  # exp(logits - row_max): times exp(row_max - lse) is the softmax
+    grad = x.mul_((row_max - lse).exp_()[:, None])
     rows = (local_targets != ignore_index).nonzero().squeeze(1)
     grad[rows, local_targets[rows]] -= 1.0
     grad.mul_((keep.to(grad.dtype) * scale)[:, None])

@@ -71,12 +71,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # this slice's log-sum-exp and target logits, combined over the tensor group
                 local = torch.where(keep, yc - vocab_start, ignore_index)
                 local = local.masked_fill((local < 0) | (local >= weight.shape[0]), ignore_index)
-                logits, lse, picked = ops.slice_logits_lse(hc, weight, local, ignore_index)
+                state, lse, picked = ops.slice_logits_lse(hc, weight, local, ignore_index)
                 lse, picked = _whole_vocabulary(lse, picked, group)
                 total += ((lse - picked) * keep).sum()
                 if not (want_h or want_w):
                     continue
-                grad = ops.slice_grad_(logits, lse, local, keep, ignore_index, 1.0 / n,
+                grad = ops.slice_grad_(state, lse, local, keep, ignore_index, 1.0 / n,
                                        weight.dtype)
             if want_h:  # under TP, this slice's share: the caller's ColumnParallel sums them
                 torch.mm(grad, weight, out=grad_h[start:start + chunk])
