@@ -1,4 +1,5 @@
 """From `model:` config (+ the tokenizer's vocabulary) to a concrete shape and an nn.Module."""
+from contextlib import contextmanager, nullcontext
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -138,8 +139,29 @@ def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Mod
     module = spec_of(shape.arch).module
     if device is None:
         return module(shape)
-    with torch.device(device):
+    with torch.device(device), (_no_initialisation() if device == "meta" else nullcontext()):
         return module(shape)
+
+
+# torch's layers initialise their weights as they are built; on meta there are no values, and
+# torch's meta `normal_` is a Python reference that imports torch._dynamo on first use: 1.6-2.2 s
+# of every launch on a 2-core CPU, spent only on the launcher's memory estimate. So on meta the
+# initialisers return their tensor untouched (as transformers' no_init_weights and accelerate's
+# init_empty_weights do); the model's own init_weights already skips meta tensors.
+_INITIALISERS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                 "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+@contextmanager
+def _no_initialisation():
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

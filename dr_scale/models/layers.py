@@ -34,7 +34,12 @@ class Rotary(nn.Module):
         """`scaling`: a models.rope_scaling.RopeScaling, or None."""
         super().__init__()
         self.table_args = (max_seq, head_dim, theta, scaling)
-        cos, sin = self._tables()
+        if torch.empty(0).device.type == "meta":  # built on meta: init_buffers fills them later
+            # (computing them there has no values to give, and torch's meta arange imports
+            # torch._dynamo: ~2 s of a launch's memory estimate on a 2-core CPU)
+            cos, sin = torch.empty(max_seq, head_dim), torch.empty(max_seq, head_dim)
+        else:
+            cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
