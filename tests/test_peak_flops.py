@@ -92,3 +92,8 @@ def test_a_run_never_prints_mfu_above_100_percent(cache_dir, tmp_path):
     assert "MFU n/a" not in proc.stdout
     fixed = json.loads((cache / "cpu_peaks.json").read_text())
     assert fixed[mine] > peaks[mine] / 10  # the cache holds the re-measured peak
+    # and the log says the start line's figure was replaced, by what
+    said = [l for l in proc.stdout.splitlines() if "measured again at step 1:" in l]
+    assert said == [f"peak (MFU's denominator) measured again at step 1: "
+                    f"{fixed[mine] / 1e12:.3f} TFLOP/s per rank, was "
+                    f"{peaks[mine] / 1000 / 1e12:.3f} (MFU above 100% against it)"], proc.stdout

@@ -296,10 +296,15 @@ class Trainer:
         tokens_per_s = steps * self.tokens_per_step / seconds
         flops_per_rank = tokens_per_s * self.flops_per_token / self.topology.world
         hw_flops_per_rank = tokens_per_s * self.hardware_flops_per_token / self.topology.world
-        was_reliable = not self.peak.unreliable
+        was_reliable, was_remeasured, before = (not self.peak.unreliable, self.peak.remeasured,
+                                                self.peak.value)
         if not self.peak.check(hw_flops_per_rank / self.peak.value) and was_reliable:  # HFU>=MFU
             self.logger.info(f"MFU not reported from step {self.step} on: above 100% even "
                              f"after measuring the peak again ({self.peak.source})")
+        elif self.peak.remeasured and not was_remeasured:  # the start line's figure is replaced
+            self.logger.info(f"peak (MFU's denominator) measured again at step {self.step}: "
+                             f"{self.peak.value / 1e12:.3f} TFLOP/s per rank, was "
+                             f"{before / 1e12:.3f} (MFU above 100% against it)")
         utilisation = {} if self.peak.unreliable else {
             "mfu": flops_per_rank / self.peak.value, "hfu": hw_flops_per_rank / self.peak.value}
         return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
