@@ -8,7 +8,7 @@ launcher names such files at start, before any rank loads an op.
 import os
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
 
 def extensions_root() -> Path:
@@ -19,9 +19,9 @@ def extensions_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
-def lock_warnings(now: Optional[float] = None) -> List[str]:
+def lock_warnings() -> List[str]:
     """A line for each op build lock that exists now."""
-    now = time.time() if now is None else now
+    now = time.time()
     lines = []
     for lock in sorted(extensions_root().glob("*/*/lock")):
         try:

@@ -78,10 +78,8 @@ def loss_and_grad_(logits, targets, scale, ignore_index):
     writes it, so one buffer serves (the fused LM head's chunk: no fp32 copy of it is made)."""
     n, V = logits.shape
     losses, lse = forward(logits, targets, ignore_index)
-    dlosses = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1) \
-        .expand(n).contiguous()
-    _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets.contiguous(), lse, logits.stride(0), V,
-                         ignore_index, BLOCK_V=_block(V))
+    _ce_bwd_kernel[(n,)](_per_row(scale, n, logits.device), logits, logits, targets.contiguous(),
+                         lse, logits.stride(0), V, ignore_index, BLOCK_V=_block(V))
     return losses
 
 
@@ -101,8 +99,13 @@ def slice_grad_(logits, lse, local_targets, keep, ignore_index, scale):
     n, V = logits.shape
     targets = torch.where(local_targets != ignore_index, local_targets,
                           torch.where(keep, -1, ignore_index)).contiguous()
-    dlosses = torch.as_tensor(scale, dtype=torch.float32, device=logits.device).reshape(1) \
-        .expand(n).contiguous()
-    _ce_bwd_kernel[(n,)](dlosses, logits, logits, targets, lse.contiguous(), logits.stride(0), V,
-                         ignore_index, BLOCK_V=_block(V))
+    _ce_bwd_kernel[(n,)](_per_row(scale, n, logits.device), logits, logits, targets,
+                         lse.contiguous(), logits.stride(0), V, ignore_index, BLOCK_V=_block(V))
     return logits
+
+
+def _per_row(scale, n, device):
+    """The backward kernel's per-row loss gradient: `scale` (a number or a 0-d tensor) for each
+    of `n` rows, fp32."""
+    return torch.as_tensor(scale, dtype=torch.float32, device=device).reshape(1).expand(n) \
+        .contiguous()
