@@ -72,19 +72,20 @@ def stopped_at(full, run, step: int):
 
 
 def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed"):
-    """Run launchers/pretrain.py under the real DeepSpeed launcher with `ranks` CPU ranks; a
-    launch past `timeout` is killed with all its ranks and fails the test. One rank starts as
-    `python pretrain.py` either way: the launcher's two interpreters of its own (runner, then
-    per-node launch, each importing DeepSpeed) cost ~4.5 s a launch, and the launcher forms
-    have tests of their own (the README's main job, launchers and nodes, the installed module)."""
+    """Run launchers/pretrain.py on `ranks` CPU ranks over gloo; a launch past `timeout` is
+    killed with all its ranks and fails the test. The ranks are started here as DeepSpeed's
+    launcher starts them (`spawn_ranks`) rather than through it: its two interpreters (runner,
+    then per-node launch, each importing DeepSpeed) cost ~7 s of a core a launch, a third of a
+    short 2-rank run, and the launcher forms have tests of their own (the README's main job,
+    launchers and nodes, the installed module, the signal and crash tests). One rank starts as
+    `python pretrain.py` either way."""
     env = dict(os.environ, DR_SCALE_CACHE=str(cache), PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)  # threads per rank: cores / ranks, whatever the shell has
+    cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
     if launcher == "deepspeed" and ranks > 1:
-        cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-               str(PRETRAIN), *map(str, args)]
+        code, out, err = spawn_ranks(cmd, ranks, env, timeout)
     else:
-        cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
-    code, out, err = run_group(cmd, env, timeout)
+        code, out, err = run_group(cmd, env, timeout)
     if code is None:
         raise AssertionError(f"launch hung for {timeout}s and was killed:\n{(out + err)[-3000:]}")
     proc = subprocess.CompletedProcess(cmd, code, out, err)
@@ -92,3 +93,58 @@ def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed
         raise AssertionError(f"launcher failed ({proc.returncode}):\n"
                              + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
     return proc
+
+
+def spawn_ranks(cmd, ranks: int, env, timeout):
+    """`cmd` as `ranks` local ranks with the environment DeepSpeed's launcher gives each
+    (deepspeed/launcher/launch.py: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK/SIZE,
+    MASTER_ADDR/PORT and `--local_rank=N`), and its rule for failures: the first rank to exit
+    non-zero ends the others (SIGTERM, SIGKILL 30 s later) and its code is the launch's. All ranks
+    share one process group, so a timeout kills them and anything they started. Returns (code or
+    None on timeout, stdout, stderr), each stream the ranks' lines interleaved as they came."""
+    import tempfile
+    import time
+
+    port = str(free_port())
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        procs = []
+        for rank in range(ranks):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                            LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            group = procs[0].pid if procs else 0  # 0: a new group, led by rank 0
+            procs.append(subprocess.Popen([cmd[0], "-u", cmd[1], f"--local_rank={rank}", *cmd[2:]],
+                                          env=rank_env, stdout=out, stderr=err, text=True,
+                                          process_group=group))
+        deadline, code = time.monotonic() + timeout, 0
+        while code == 0 and any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                code = None
+                break
+            code = next((p.returncode for p in procs if p.returncode), 0)
+            time.sleep(0.1)
+        code = next((p.returncode for p in procs if p.returncode), 0) if code == 0 else code
+        if code != 0:
+            _end_group(procs, hard=code is None)
+        out.seek(0), err.seek(0)
+        return code, out.read(), err.read()
+
+
+def _end_group(procs, hard: bool):
+    """SIGTERM (or, after a timeout, SIGKILL) every process in the ranks' group; SIGKILL what is
+    left 30 s after a SIGTERM, as DeepSpeed's launcher does."""
+    try:
+        os.killpg(procs[0].pid, signal.SIGKILL if hard else signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in procs:
+        p.wait()
