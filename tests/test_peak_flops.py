@@ -1,14 +1,13 @@
 """MFU's denominator: datasheet peaks by exact GPU part; on CPU a peak measured at the model's
 largest GEMM, cached per machine; an impossible MFU re-measures, and is never printed."""
 import json
-import os
 import shutil
 
 import pytest
 import torch
 
 from dr_scale.train import peak_flops as pf
-from tests.conftest import launch
+from tests.conftest import launch, launched_threads
 from tests.test_train_distributed import records
 
 TFLOPS = 1e12
@@ -81,8 +80,8 @@ def test_a_run_never_prints_mfu_above_100_percent(cache_dir, tmp_path):
             "train.eval_samples=8", "logging.plot=false", "logging.tensorboard=false"]
     launch(["--run_dir", tmp_path / "a", *args], 1, cache)
     peaks = json.loads((cache / "cpu_peaks.json").read_text())
-    # this run's GEMM: 8 x 64 tokens x hidden 256 x vocabulary 4096, on every core (1 rank)
-    threads = os.cpu_count()
+    # this run's GEMM: 8 x 64 tokens x hidden 256 x vocabulary 4096, on 1 rank's threads
+    threads = launched_threads(1)
     (mine,) = [k for k in peaks if k.endswith(" | 512x256x4096") and f" {threads} threads " in k]
     (cache / "cpu_peaks.json").write_text(json.dumps({k: v / 1000 for k, v in peaks.items()}))
     proc = launch(["--run_dir", tmp_path / "b", *args], 1, cache)
