@@ -154,9 +154,12 @@ def _end_group(procs, hard: bool):
         os.killpg(procs[0].pid, signal.SIGKILL if hard else signal.SIGTERM)
     except ProcessLookupError:
         return
+    import time
+
+    deadline = time.monotonic() + 30
     for p in procs:
         try:
-            p.wait(timeout=30)
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
     try:

@@ -104,6 +104,30 @@ def test_estimate_scales_as_zero_and_parallelism_say():
     assert z3_70b["startup_peak"] < 2 * 2**30 and z3_70b["peak"] == z3_70b["total"]
 
 
+def test_fp32_counts_the_copies_deepspeed_makes_in_fp32_too(monkeypatch):
+    """On a CPU without native bf16 the model trains in fp32, and DeepSpeed's ZeRO optimizers
+    still copy: ZeRO-1/2 clone the partition as master weights, ZeRO-1/2/3 flatten the gradient
+    partition into a new tensor for the step; ZeRO-3 shares its fp32 partition; ZeRO-0 runs
+    torch's AdamW on the model (no copies). Measured without these: llama_1b cut to 8 layers,
+    ZeRO-3, 2 ranks, fp32 on an AVX2-only EPYC: 8.69 GiB a rank against 6.58 estimated, and 4
+    ranks started and were killed for memory."""
+    from dr_scale import hardware
+
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    big = ["model.preset=llama_7b", "train.micro_batch_size=1", "data.seq_length=4096"]
+    n = 6_738_415_616
+    z0, z1, z3 = (estimate(ds, 8, *big) for ds in ("zero0", "zero1", "zero3"))
+    assert z0["parameters"] == z1["parameters"] == pytest.approx(4 * n, rel=1e-6)
+    assert z0["gradients"] == pytest.approx(4 * n, rel=1e-6)
+    assert z0["optimizer_states"] == pytest.approx(8 * n, rel=1e-6)  # Adam's moments only
+    assert z1["gradients"] == pytest.approx(4 * n + 4 * n / 8, rel=1e-6)
+    assert z1["optimizer_states"] == pytest.approx(12 * n / 8, rel=1e-6)  # master clone + Adam
+    assert z3["parameters"] == pytest.approx(4 * n / 8, rel=1e-6)
+    assert z3["gradients"] == pytest.approx(8 * n / 8, rel=1e-6)
+    assert z3["optimizer_states"] == pytest.approx(8 * n / 8, rel=1e-6)
+
+
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path, monkeypatch,
                                                                 native_bf16):

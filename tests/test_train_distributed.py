@@ -1,4 +1,5 @@
-"""Real DeepSpeed engines on 2 CPU ranks over gloo, through the real launchers."""
+"""Real DeepSpeed engines on 2 CPU ranks over gloo: the README's job and the launchers (DeepSpeed's
+launcher, two nodes, torchrun), and ranks started as the DeepSpeed launcher starts them."""
 import json
 import os
 import re

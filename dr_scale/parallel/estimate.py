@@ -4,8 +4,12 @@ What is counted, per rank, for AdamW under DeepSpeed:
 - parameters: the working copy the forward reads (bf16/fp16, or fp32), sharded by tensor
   parallel and, under ZeRO-3, by data parallel;
 - gradients: the working-precision gradients (ZeRO-2/3: this rank's partition) plus the fp32
-  gradient buffer DeepSpeed keeps for mixed precision (ZeRO-0: whole; ZeRO-1/2/3: partition);
-- optimizer states: fp32 master weights (mixed precision) and Adam's two moments, partitioned by
+  gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2/3:
+  partition), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's gradients
+  into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py `_prepare_fp32_grad_for_sub_group`);
+- optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2, which
+  clone the partition for the optimizer; ZeRO-3 in fp32 shares it) and Adam's two moments,
+  partitioned by
   ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
   counted on a CPU, where host memory is the rank's), with the fp32 gradients; offloaded to NVMe
   (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through `buffer_count` host
@@ -176,9 +180,11 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     zero_div = dp if zero_stage >= 1 else 1
     parameters = n * lp / (dp if zero_stage == 3 else 1)
     grads_lp = n * lp / (dp if zero_stage >= 2 else 1)
-    grads_fp32 = (n * 4 / zero_div) if mixed else 0  # DeepSpeed's fp32 gradient (partition)
+    # DeepSpeed's fp32 gradient (partition) and master weights: see the module's docstring
+    grads_fp32 = (n * 4 / zero_div) if mixed or zero_stage >= 1 else 0
+    master = 4 if mixed or zero_stage in (1, 2) else 0
     gradients = grads_lp + grads_fp32
-    optimizer = n * ((4 if mixed else 0) + ADAM_STATE_BYTES) / zero_div
+    optimizer = n * (master + ADAM_STATE_BYTES) / zero_div
     host = swap = 0
     if offload_optimizer == "nvme":  # state in files, swapped a sub-group a buffer; the step's
         optimizer = 0  # fp32 gradients are whole in memory before they are swapped out
