@@ -22,6 +22,8 @@ import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -119,9 +121,6 @@ def spawn_ranks(cmd, ranks: int, env, timeout):
     non-zero ends the others (SIGTERM, SIGKILL 30 s later) and its code is the launch's. All ranks
     share one process group, so a timeout kills them and anything they started. Returns (code or
     None on timeout, stdout, stderr), each stream the ranks' lines interleaved as they came."""
-    import tempfile
-    import time
-
     port = str(free_port())
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         procs = []
@@ -154,8 +153,6 @@ def _end_group(procs, hard: bool):
         os.killpg(procs[0].pid, signal.SIGKILL if hard else signal.SIGTERM)
     except ProcessLookupError:
         return
-    import time
-
     deadline = time.monotonic() + 30
     for p in procs:
         try:

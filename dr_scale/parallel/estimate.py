@@ -7,15 +7,14 @@ What is counted, per rank, for AdamW under DeepSpeed:
   gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2/3:
   partition), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's gradients
   into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py `_prepare_fp32_grad_for_sub_group`);
-- optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2, which
-  clone the partition for the optimizer; ZeRO-3 in fp32 shares it) and Adam's two moments,
-  partitioned by
-  ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
+- optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2, which clone
+  the partition for the optimizer; ZeRO-3 in fp32 shares it) and Adam's two moments, partitioned
+  by ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
   counted on a CPU, where host memory is the rank's), with the fp32 gradients; offloaded to NVMe
-  (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through `buffer_count` host
-  buffers of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the
-  step's gradient partition is made whole before it is swapped out (measured: llama_1b cut to 8
-  layers, 2 ranks, 3.84 GiB a rank against 3.07 estimated without it);
+  (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through `buffer_count` host buffers
+  of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the step's
+  gradient partition is made whole before it is swapped out (measured: llama_1b cut to 8 layers, 2
+  ranks, 3.84 GiB a rank against 3.07 estimated without it);
 - parameters offloaded (ZeRO-3 `offload_param`): to the CPU, a GPU rank's 16-bit partition lives
   in host memory (reported with `host_offload`); to NVMe, DeepSpeed keeps the 16-bit partition in
   a host buffer up to `max_in_cpu` parameters (default 1e9: all of it below that) and swaps the
