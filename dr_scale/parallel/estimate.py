@@ -7,9 +7,11 @@ What is counted, per rank, for AdamW under DeepSpeed:
   gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2/3:
   partition), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's gradients
   into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py `_prepare_fp32_grad_for_sub_group`);
-- optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2, which clone
-  the partition for the optimizer; ZeRO-3 in fp32 shares it) and Adam's two moments, partitioned
-  by ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
+- optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2/3: ZeRO-1/2
+  clone the partition for the optimizer, and ZeRO-3 means to share it when the dtypes agree but
+  compares the tensor's device with a device *name* (stage3.py `_create_fp32_partitions`), which
+  torch never finds equal, so it clones too: `master_weight_bytes`) and Adam's two moments,
+  partitioned by ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
   counted on a CPU, where host memory is the rank's), with the fp32 gradients; offloaded to NVMe
   (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through `buffer_count` host buffers
   of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the step's
@@ -181,7 +183,7 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     grads_lp = n * lp / (dp if zero_stage >= 2 else 1)
     # DeepSpeed's fp32 gradient (partition) and master weights: see the module's docstring
     grads_fp32 = (n * 4 / zero_div) if mixed or zero_stage >= 1 else 0
-    master = 4 if mixed or zero_stage in (1, 2) else 0
+    master = master_weight_bytes(mixed, zero_stage)
     gradients = grads_lp + grads_fp32
     optimizer = n * (master + ADAM_STATE_BYTES) / zero_div
     host = swap = 0
@@ -240,6 +242,14 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
                                             max(total, startup), transient,
                                             export_bytes(shape, zero_stage, tp, pp))),
                           transient_is=what)
+
+
+def master_weight_bytes(mixed: bool, zero_stage: int) -> int:
+    """Bytes a parameter of DeepSpeed's fp32 master copy: under mixed precision always; in fp32
+    ZeRO-1/2/3 clone the partition all the same (ZeRO-3's share is never taken: see the module's
+    docstring; tests/test_estimate.py checks this against real engines), and ZeRO-0 steps torch's
+    optimizer on the model itself."""
+    return 4 if mixed or zero_stage >= 1 else 0
 
 
 def export_bytes(shape, zero_stage: int, tp: int = 1, pp: int = 1) -> int:
