@@ -97,6 +97,8 @@ def run(args):
     cfg.freeze()
     shape, kernels_line = select_kernels(shape, cfg, device.type, precision, topo)
     torch.manual_seed(cfg.train.seed)
+    if cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
+        host_memory.give_large_blocks_pages_of_their_own()
     model = build_for_run(shape, ds, topo)  # ZeRO-3: sharded as built; TP or PP: on meta
     initial = None if args.resume else init_state  # on resume the checkpoint's weights win
     if initial is not None:
@@ -118,7 +120,9 @@ def run(args):
                       DocumentBoundaries.of(cfg.data, sources.tokenizer))
     memory_note = None
     if cfg.train.release_host_memory:
-        memory_note = ("freed host memory returned to the OS after each backward" if
+        memory_note = ("freed host memory returned to the OS after each backward, tensors "
+                       f"from {host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of "
+                       "their own" if
                        host_memory.can_release() else "train.release_host_memory does nothing "
                        "here: the C library is not glibc (no malloc_trim)")
     for line in [*start.lines(), *([f"offload: {offload_note}"] if offload_note else []),

@@ -87,7 +87,8 @@ class TrainConfig(Section):
     collective_timeout_s: int = field(600, min=5, help="a collective waiting longer ends the "
                                       "run in one line naming the rank and the phase")
     release_host_memory: bool = field(False, help="after each backward, return freed host "
-                                      "memory to the OS (glibc malloc_trim): a lower peak RSS "
+                                      "memory to the OS (glibc malloc_trim), and give large "
+                                      "tensors pages of their own: a lower peak RSS "
                                       "on CPU ranks for slower steps; not with pipeline stages "
                                       "(train/host_memory.py)")
 

@@ -13,8 +13,14 @@ spread, but the pages are faulted in again at the next forward (a 5-step TP trac
 it is a setting, off by default: for runs that must fit.
 
 malloc_trim(0) (glibc >= 2.8) returns every whole free page of every arena, not only the top of
-the heap. Elsewhere (musl, macOS) there is nothing to call and the setting does nothing, which
-the start line says.
+the heap. The trim comes after the backward, so the setting also fixes the mmap threshold at
+MMAP_THRESHOLD_BYTES before the model is built (mallopt; glibc then stops raising it): larger
+tensors get pages of their own, given back the moment they are freed, at start-up (the build's
+whole fp32 tensors) and in the step (the flattened fp32 gradient) alike. Measured with a
+per-phase probe (llama_1b cut to 8 layers, ZeRO-3, fp32, 2 ranks, AVX2-only EPYC, 2026-12-03,
+threshold as an environment variable): RSS after the build 1.63 -> 1.20 GiB, between steps
+6.41 -> 5.81, peak 8.36 -> 8.04. Elsewhere (musl, macOS) there is nothing to call and the setting
+does nothing, which the start line says.
 """
 import ctypes
 import ctypes.util
@@ -22,13 +28,32 @@ import functools
 from typing import Optional
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim():
+# Tensors from this size up are mmapped and unmapped when freed: 4 MiB, above a micro-batch's
+# activation rows at the sizes CPU ranks train (2 MiB for 256 tokens x 2048 x fp32), below the
+# weights and partitions ZeRO-3 gathers and frees every step.
+MMAP_THRESHOLD_BYTES = 4 * 2**20
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def _libc():
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL(name) if name else None
+    except OSError:
         return None
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    return getattr(_libc(), "malloc_trim", None)  # glibc's alone
+
+
+def give_large_blocks_pages_of_their_own() -> bool:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (see the module's docstring); False
+    where the C library is not glibc."""
+    if _malloc_trim() is None:
+        return False
+    return bool(_libc().mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def can_release() -> bool:
