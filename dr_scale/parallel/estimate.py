@@ -11,12 +11,13 @@ What is counted, per rank, for AdamW under DeepSpeed:
   clone the partition for the optimizer, and ZeRO-3 means to share it when the dtypes agree but
   compares the tensor's device with a device *name* (stage3.py `_create_fp32_partitions`), which
   torch never finds equal, so it clones too: `master_weight_bytes`) and Adam's two moments,
-  partitioned by ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported apart on a GPU,
-  counted on a CPU, where host memory is the rank's), with the fp32 gradients; offloaded to NVMe
-  (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through `buffer_count` host buffers
-  of one sub-group (`sub_group_size` parameters, fp32) each, while the fp32 copy of the step's
-  gradient partition is made whole before it is swapped out (measured: llama_1b cut to 8 layers, 2
-  ranks, 3.84 GiB a rank against 3.07 estimated without it);
+  partitioned by ZeRO-1+; with optimizer offload to the CPU they live in host memory (reported
+  apart on a GPU, counted on a CPU, where host memory is the rank's), with the fp32 gradients;
+  offloaded to NVMe (ZeRO-Infinity) they live in files, and DeepSpeed swaps them through
+  `buffer_count` host buffers of one sub-group (`sub_group_size` parameters, fp32) each, while
+  the fp32 copy of the step's gradient partition is made whole before it is swapped out
+  (measured: llama_1b cut to 8 layers, 2 ranks, 3.84 GiB a rank against 3.07 estimated without
+  it);
 - parameters offloaded (ZeRO-3 `offload_param`): to the CPU, a GPU rank's 16-bit partition lives
   in host memory (reported with `host_offload`); to NVMe, DeepSpeed keeps the 16-bit partition in
   a host buffer up to `max_in_cpu` parameters (default 1e9: all of it below that) and swaps the
