@@ -1,6 +1,7 @@
 """MFU's denominator: datasheet peaks by exact GPU part; on CPU a peak measured at the model's
 largest GEMM, cached per machine; an impossible MFU re-measures, and is never printed."""
 import json
+import re
 import shutil
 
 import pytest
@@ -78,11 +79,14 @@ def test_a_run_never_prints_mfu_above_100_percent(cache_dir, tmp_path):
     args = ["--ds_config", "zero1", "data.seq_length=64", "train.max_steps=4",
             "train.log_interval=1", "train.eval_interval=4", "train.save_interval=4",
             "train.eval_samples=8", "logging.plot=false", "logging.tensorboard=false"]
-    launch(["--run_dir", tmp_path / "a", *args], 1, cache)
+    first = launch(["--run_dir", tmp_path / "a", *args], 1, cache)
     peaks = json.loads((cache / "cpu_peaks.json").read_text())
-    # this run's GEMM: 8 x 64 tokens x hidden 256 x vocabulary 4096, on 1 rank's threads
+    # this run's GEMM: 8 x 64 tokens x hidden 256 x vocabulary 4096, on 1 rank's threads, in its
+    # precision (the shared cache may hold the other one's: bf16 "auto" is fp32 on some CPUs)
     threads = launched_threads(1)
-    (mine,) = [k for k in peaks if k.endswith(" | 512x256x4096") and f" {threads} threads " in k]
+    precision = re.search(r"ZeRO-1, (\w+)", first.stdout).group(1)
+    (mine,) = [k for k in peaks if k.endswith(f" | {precision} | 512x256x4096")
+               and f" {threads} threads " in k]
     (cache / "cpu_peaks.json").write_text(json.dumps({k: v / 1000 for k, v in peaks.items()}))
     proc = launch(["--run_dir", tmp_path / "b", *args], 1, cache)
     assert "cached in" in proc.stdout  # the poisoned figure was used at start
