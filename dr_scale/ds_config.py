@@ -229,6 +229,17 @@ def zero_stage(ds: Dict[str, Any]) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+# DeepSpeed's zero_optimization.sub_group_size where a config is silent (runtime/zero/config.py)
+DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def sub_group_size(ds: Dict[str, Any]) -> int:
+    """Parameters ZeRO-3's optimizer steps at a time (its fp32 gradient is made one such
+    sub-group at a time; a checkpoint's optimizer state is laid out by them)."""
+    return int(float(ds.get("zero_optimization", {}).get("sub_group_size",
+                                                          DEEPSPEED_SUB_GROUP_SIZE)))
+
+
 def load(name_or_path: str, cfg, dp_size: int, bf16_native: bool = True) -> Dict[str, Any]:
     path = resolve_path(name_or_path)
     return fill(read_json(path), cfg, dp_size, source=str(path), bf16_native=bf16_native)

@@ -146,7 +146,8 @@ def reshard_before_group(run_dir: Path, topo, raw_ds: dict, timeout_s: int):
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(raw_ds)
     plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
-                        target_nvme=nvme_offload.optimizer_on_nvme(raw_ds))
+                        target_nvme=nvme_offload.optimizer_on_nvme(raw_ds),
+                        sub_group_size=dsc.sub_group_size(raw_ds))
     if plan != "universal" or universal_ready(ckpt_dir, tag, stage, topo.world):
         return
     if int(os.environ.get("RANK", "0")) == 0:
@@ -166,7 +167,8 @@ def plan_resume(ckpt_dir: Path, topo, ds: dict):
     tag = find_tag(ckpt_dir)
     stage = dsc.zero_stage(ds)
     plan = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
-                        target_nvme=nvme_offload.optimizer_on_nvme(ds))
+                        target_nvme=nvme_offload.optimizer_on_nvme(ds),
+                        sub_group_size=dsc.sub_group_size(ds))
     if plan == "universal" and not universal_ready(ckpt_dir, tag, stage, topo.world):
         raise DrScaleError(f"{ckpt_dir / tag}: its universal form for {topo.world} rank(s) at "
                            f"ZeRO-{stage} went missing during start-up")

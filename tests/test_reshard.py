@@ -1,5 +1,6 @@
 """A checkpoint written by N ranks resumes on M ranks (and at another ZeRO stage), the loss
 going on as in the uninterrupted run; combinations DeepSpeed cannot reshard stop with one line."""
+import json
 import subprocess
 import sys
 
@@ -80,6 +81,32 @@ def test_reshard_ahead_of_the_job_with_parallel_workers(uninterrupted, cache_dir
         assert b[step] == pytest.approx(a[step], rel=1e-3), step
 
 
+def test_resume_with_another_sub_group_size_goes_through_the_universal_form(uninterrupted,
+                                                                           cache_dir, tmp_path):
+    """ZeRO-3 lays its optimizer state out in sub-groups of zero_optimization.sub_group_size, and
+    DeepSpeed loads another layout only from the universal form (directly it stops: "loaded
+    state dict contains a parameter group that doesn't match the size of optimizer's group"). A
+    resume on the same ranks with another size converts, and the losses are the uninterrupted
+    run's bit for bit (the sub-grouping alone changes no bit). Before train/universal.py's
+    `repair_zero3_load` they drifted from step 6 on (6.4661 against 6.4651, 6.0426 against
+    6.0284 at step 8): DeepSpeed's universal load shared one Adam step tensor among the
+    sub-groups and gave the no-decay group the first group's weight decay."""
+    from dr_scale import ds_config as dsc
+
+    full = uninterrupted(2, "zero3")
+    run = tmp_path / "run"
+    stopped_at(full, run, 4)
+    ds = dsc.read_json(dsc.resolve_path("zero3"))
+    ds["zero_optimization"]["sub_group_size"] = 100_000  # the 2M-parameter partition in ~20
+    config = tmp_path / "zero3_small_sub_groups.json"
+    config.write_text(json.dumps(ds))
+    proc = launch(["--ds_config", config, "--run_dir", run, "--resume"], 2, cache_dir)
+    assert "resharding" in proc.stdout and "at step 4 (32 samples consumed)" in proc.stdout
+    a, b = losses(full), losses(run)
+    assert sorted(b) == list(range(1, 9))
+    assert [b[step] for step in range(5, 9)] == [a[step] for step in range(5, 9)]
+
+
 def test_nvme_optimizer_state_is_not_resharded(uninterrupted, tmp_path):
     """DeepSpeed's universal checkpoint cannot carry ZeRO-Infinity's swapped optimizer state
     either way (train/reshard.py): a run with its state on NVMe resumes on its own ranks, and
@@ -91,6 +118,8 @@ def test_nvme_optimizer_state_is_not_resharded(uninterrupted, tmp_path):
     stopped_at(uninterrupted(2, "zero3"), run, 4)
     ckpt = run / "checkpoints"
     assert reshard_plan(ckpt, "step_00000004", 2, 3, target_nvme=True) == "direct"
+    with pytest.raises(DrScaleError, match="resumed with 100000 and optimizer state on NVMe"):
+        reshard_plan(ckpt, "step_00000004", 2, 3, target_nvme=True, sub_group_size=100_000)
     with pytest.raises(DrScaleError, match="resuming on 1 needs DeepSpeed's universal checkpoint, "
                                            "which it cannot load into optimizer state on NVMe"):
         reshard_plan(ckpt, "step_00000004", 1, 3, target_nvme=True)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dr_scale import nvme_offload
+from dr_scale import ds_config as dsc, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
 
@@ -140,6 +140,12 @@ def saved_parallel_layout(tag_dir: Path) -> tuple:
     return max(1, len(tensor_ranks(tag_dir))), 1
 
 
+def saved_sub_group_size(tag_dir: Path) -> int:
+    """The zero_optimization.sub_group_size the checkpoint was written with (checkpoints older
+    than that field: DeepSpeed's default, which the bundled configs then kept)."""
+    return int(_rank0_state(tag_dir).get("zero_sub_group_size", dsc.DEEPSPEED_SUB_GROUP_SIZE))
+
+
 def saved_position(tag_dir: Path) -> tuple:
     """(step, samples consumed) the checkpoint was written at."""
     state = _rank0_state(tag_dir)
@@ -197,6 +203,10 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
                            f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
     if load_path is None:
         raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
+    if plan == "universal" and target_stage == 3:
+        from dr_scale.train.universal import repair_zero3_load
+
+        repair_zero3_load(engine.optimizer, load_dir / tag)
     nvme_offload.restore_optimizer_state(engine, load_dir, tag)
     return state, path
 

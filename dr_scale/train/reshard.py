@@ -20,16 +20,19 @@ from typing import Optional
 from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
-                                       saved_zero_family)
+                                       saved_sub_group_size, saved_zero_family)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
 
 
 def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
-                 tensor: int = 1, pipeline: int = 1, target_nvme: bool = False):
+                 tensor: int = 1, pipeline: int = 1, target_nvme: bool = False,
+                 sub_group_size: Optional[int] = None):
     """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
     checkpoint, converted on first use); one line of error where neither can work.
-    `target_nvme`: the run keeps its optimizer state on NVMe (offload_optimizer.device=nvme)."""
+    `target_nvme`: the run keeps its optimizer state on NVMe (offload_optimizer.device=nvme);
+    `sub_group_size`: the run's zero_optimization.sub_group_size (ZeRO-3 lays its optimizer
+    state out by it, and DeepSpeed loads another layout only through the universal form)."""
     tag_dir = Path(ckpt_dir) / tag
     written = ranks_written(tag_dir)
     saved = saved_parallel_layout(tag_dir)
@@ -53,7 +56,16 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
                            f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
     target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
     if written == world_size and family == target:
-        return "direct"
+        saved_groups = saved_sub_group_size(tag_dir)
+        if family != 3 or sub_group_size in (None, saved_groups):
+            return "direct"
+        if target_nvme or (tag_dir / nvme_offload.SAVED).is_dir():
+            raise DrScaleError(
+                f"{tag_dir}: written with zero_optimization.sub_group_size={saved_groups}, "
+                f"resumed with {sub_group_size} and optimizer state on NVMe, which DeepSpeed "
+                f"cannot re-lay out (its universal checkpoint does not meet swapped state): "
+                f"resume with sub_group_size {saved_groups}")
+        return "universal"  # the optimizer state laid out in other sub-groups
     if family == 0 and target == 0:
         return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
     if family and target:

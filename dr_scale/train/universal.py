@@ -59,3 +59,31 @@ def zero12_to_zero3(udir: Path, world_size: int):
     for rank in range(world_size):
         shutil.copyfile(udir / "mp_rank_00_model_states.pt",
                         udir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+
+
+def repair_zero3_load(zero3, udir: Path):
+    """Two faults of DeepSpeed 0.19.8's ZeRO-3 universal load (stage3.py
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`), each of which made a resumed run's
+    losses drift from the uninterrupted run's although every tensor loaded was equal:
+    - every sub-group's Adam state gets the *same* step tensor, which the optimizer then
+      advances once per sub-group each step (bias correction as if many steps had passed):
+      each gets its own copy;
+    - every parameter group gets the saved first group's hyperparameters (the group without
+      weight decay, norms and biases, resumed with weight decay): each gets its own back from
+      the same file, as a direct load (torch's load_state_dict) does.
+    `zero3`: DeepSpeed's ZeRO-3 optimizer; `udir`: the universal tag folder it loaded."""
+    from dr_scale.errors import DrScaleError
+
+    state = zero3.optimizer.state
+    for flat in zero3.fp32_partitioned_groups_flat:
+        step = state.get(flat, {}).get("step")
+        if isinstance(step, torch.Tensor):
+            state[flat]["step"] = step.clone()
+    path = udir / "zero" / "optimizer_state.pt"
+    saved = _load(path)["optimizer_state_dict"]["param_groups"]
+    groups = zero3.optimizer.param_groups
+    if len(saved) != len(groups):
+        raise DrScaleError(f"{path}: {len(saved)} parameter groups saved, this run's optimizer "
+                           f"has {len(groups)}")
+    for group, own in zip(groups, saved):
+        group.update({k: v for k, v in own.items() if k != "params"})
