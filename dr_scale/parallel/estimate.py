@@ -4,9 +4,11 @@ What is counted, per rank, for AdamW under DeepSpeed:
 - parameters: the working copy the forward reads (bf16/fp16, or fp32), sharded by tensor
   parallel and, under ZeRO-3, by data parallel;
 - gradients: the working-precision gradients (ZeRO-2/3: this rank's partition) plus the fp32
-  gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2/3:
-  partition), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's gradients
-  into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py `_prepare_fp32_grad_for_sub_group`);
+  gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2:
+  partition; ZeRO-3: one `sub_group_size` sub-group of the partition at a time,
+  `step_gradient_bytes`), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's
+  gradients into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py
+  `_prepare_fp32_grad_for_sub_group`);
 - optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2/3: ZeRO-1/2
   clone the partition for the optimizer, and ZeRO-3 means to share it when the dtypes agree but
   compares the tensor's device with a device *name* (stage3.py `_create_fp32_partitions`), which
@@ -184,6 +186,13 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     grads_lp = n * lp / (dp if zero_stage >= 2 else 1)
     # DeepSpeed's fp32 gradient (partition) and master weights: see the module's docstring
     grads_fp32 = (n * 4 / zero_div) if mixed or zero_stage >= 1 else 0
+    step_flat = 0  # the step's fp32 gradient as one tensor (what `largest_transient` weighs)
+    if zero_stage in (1, 2) and offload_optimizer == "none":
+        step_flat = n * 4 / dp
+    if zero_stage == 3 and offload_optimizer == "none":
+        grads_fp32 = step_gradient_bytes(n / dp, largest_tensor(shape) / dp, sub_group_size,
+                                         lp if mixed else 0)
+        step_flat = step_gradient_bytes(n / dp, largest_tensor(shape) / dp, sub_group_size, 0)
     master = master_weight_bytes(mixed, zero_stage)
     gradients = grads_lp + grads_fp32
     optimizer = n * (master + ADAM_STATE_BYTES) / zero_div
@@ -237,12 +246,24 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
         startup = runtime + n * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
-    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1, slices=slices)
+    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1, slices=slices,
+                                        step_gradient=step_flat, zero_stage=zero_stage)
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
                                             buffers, runtime, host, total, startup,
                                             max(total, startup), transient,
                                             export_bytes(shape, zero_stage, tp, pp))),
                           transient_is=what)
+
+
+def step_gradient_bytes(partition: float, largest_piece: float, sub_group_size: float,
+                        flatten_bytes: int) -> float:
+    """ZeRO-3's step makes the fp32 gradient one sub-group at a time and frees it after that
+    group's update (stage3.py `_prepare_fp32_grad_for_sub_group`, `_release_sub_group`): the
+    group's 16-bit gradients flattened into a new tensor (`flatten_bytes` a parameter; none in
+    fp32, where the cast returns the flat tensor itself), then cast to fp32. A sub-group takes
+    whole parameter partitions until it reaches `sub_group_size`, so it can pass it by one
+    partition (`largest_piece`), and never holds more than the rank's `partition`."""
+    return min(partition, sub_group_size + largest_piece) * (4 + flatten_bytes)
 
 
 def master_weight_bytes(mixed: bool, zero_stage: int) -> int:
@@ -267,14 +288,19 @@ def export_bytes(shape, zero_stage: int, tp: int = 1, pp: int = 1) -> int:
     return int(EXPORT_RUNTIME_BYTES + held + piece + joined)
 
 
-def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1):
+def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1,
+                      step_gradient: float = 0, zero_stage: int = 0):
     """(bytes, what) of the largest single tensor a rank allocates: a parameter made whole in
-    fp32 at start-up (models/layers.py initial_value, every build), or the loss's: one chunk of
-    fp32 logits and the head's fp32 weight gradient (fused), the fp32 logits (whole); of this
-    rank's vocabulary slice under a vocabulary-parallel head."""
+    fp32 at start-up (models/layers.py initial_value, every build), the loss's: one chunk of
+    fp32 logits and the head's fp32 weight gradient (fused), the fp32 logits (whole), of this
+    rank's vocabulary slice under a vocabulary-parallel head; or the optimizer step's flat fp32
+    gradient (`step_gradient` bytes: ZeRO-1/2's partition, ZeRO-3's sub-group)."""
     v, d = -(-shape.vocab_size // slices), shape.hidden_size
     candidates = [(largest_tensor(shape) * 4, "the largest parameter made whole in fp32 at "
                                               "start-up")]
+    if step_gradient:
+        candidates.append((step_gradient, "the step's flat fp32 gradient of "
+                           + ("one sub-group" if zero_stage == 3 else "the partition")))
     chunk = shape.loss_chunk_for(v)
     if fused and chunk > 0:
         chunk = min(chunk, tokens)
@@ -307,7 +333,7 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
     buckets = dict(reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
                    prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
                    max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-                   sub_group_size=float(zero.get("sub_group_size", 1e9)),
+                   sub_group_size=dsc.sub_group_size(ds),
                    swap_buffers=int((zero.get("offload_optimizer") or {}).get("buffer_count", 4)),
                    contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
                    offload_param=offload_param.get("device", "none"),
