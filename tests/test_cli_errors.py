@@ -1,6 +1,7 @@
 """Bad input at the command line: one line naming the file/key, exit status 2, no traceback,
 nothing already written damaged."""
 import hashlib
+import re
 import subprocess
 import sys
 
@@ -43,8 +44,6 @@ def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
     master clone and flattened gradient, Adam's moments), and nothing fits one rank
     here; llama_7b is told the cheapest change (enough ranks under ZeRO-3; how many depends on
     this machine's free memory). Nothing is written."""
-    import re
-
     from dr_scale.hardware import cpu_bf16_support
 
     proc = launch(["--run_dir", tmp_path / "a", "--ds_config", "zero1", "model.preset=llama_70b"],
@@ -212,3 +211,34 @@ def test_overrides_may_sit_between_the_options():
     with pytest.raises(DrScaleError, match=r"^command line: unrecognized arguments: --bogus "
                                            r"\(see dr-scale estimate --help\)$"):
         parse(build_parser(), ["estimate", "--ds_config", "zero3", "a=1", "--bogus"])
+
+
+@pytest.mark.parametrize("zero, names", [
+    ({"sub_group_size": 1e9}, "zero_optimization.sub_group_size 5e7"),
+    ({}, "zero_optimization.stage3_max_live_parameters and stage3_max_reuse_distance 1e8"),
+])
+def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, names):
+    """Under ZeRO-3 the cheapest changes are DeepSpeed's own working sets: the step's fp32
+    gradient made a sub-group at a time (free), then fewer gathered parameters kept live (more
+    all-gathers), before checkpointing or offload. llama_1b on 4 CPU ranks, a rank given room
+    for the smaller working set only (the real estimate either side of it)."""
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+    from dr_scale.errors import DrScaleError
+    from dr_scale.parallel import memory_guard
+    from dr_scale.parallel.estimate import estimate_for_run
+
+    cfg = load_config(None, ["model.preset=llama_1b", "model.vocab_size=4096",
+                             "data.seq_length=256", "train.micro_batch_size=1"])
+    ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
+                  bf16_native=True, device_type="cpu")
+    ds["zero_optimization"].update(zero)
+    before = estimate_for_run(cfg, ds, 4).peak
+    after = estimate_for_run(cfg, ds, 4, sub_group_size=5e7, max_live_parameters=1e8).peak
+    if "sub_group_size" in zero:
+        after = estimate_for_run(cfg, ds, 4, sub_group_size=5e7).peak
+    assert after < before
+    limit = (after + before) // 2
+    monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
+    with pytest.raises(DrScaleError, match=re.escape(f"cheapest change that fits: {names} (")):
+        memory_guard.check(cfg, ds, 4, "cpu", "zero3.json")

@@ -3,9 +3,11 @@
 in one line with the estimate, the limit and the cheapest change that fits, before any rank
 allocates the model. `--skip_memory_check` for those who know better.
 
-Cheapest first: ZeRO-3 (same machines, more communication), activation checkpointing (about a
-third more compute), optimizer offload to host memory (slower steps), optimizer state on NVMe
-(slower still), then more ranks (more machines).
+Cheapest first: ZeRO-3 (same machines, more communication), or under ZeRO-3 its working sets
+made smaller (the step's fp32 gradient a sub-group of 5e7 parameters at a time: free; at most
+1e8 gathered parameters kept live: more all-gathers), activation checkpointing (about a third
+more compute), optimizer offload to host memory (slower steps), optimizer state on NVMe (slower
+still), then more ranks (more machines).
 """
 import os
 from typing import Optional
@@ -15,6 +17,15 @@ from dr_scale.errors import DrScaleError
 from dr_scale.models.build import pad_vocab
 from dr_scale.parallel.estimate import estimate_for_run
 from dr_scale.train.metrics import format_bytes
+
+
+SUB_GROUP = 5e7  # parameters ZeRO-3's step updates at a time, as the bundled zero3 sets it
+LIVE = 1e8  # gathered parameters ZeRO-3 keeps live (DeepSpeed's default: 1e9)
+
+
+def _short(count: float) -> str:
+    """5e7, 1e8: as a DeepSpeed config would write them."""
+    return f"{count:.0e}".replace("e+0", "e").replace("e+", "e")
 
 
 def run_vocab(cfg) -> Optional[int]:
@@ -52,6 +63,16 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
     fixes = []
     if stage < 3:
         fixes.append(("ZeRO-3 (--ds_config zero3)", dict(zero_stage=3)))
+    else:
+        smaller = {}
+        if dsc.sub_group_size(ds) > SUB_GROUP:
+            smaller["sub_group_size"] = SUB_GROUP
+            fixes.append((f"zero_optimization.sub_group_size {_short(SUB_GROUP)}", dict(smaller)))
+        live = ds.get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9)
+        if float(live) > LIVE:
+            smaller["max_live_parameters"] = LIVE
+            fixes.append((f"zero_optimization.stage3_max_live_parameters and "
+                          f"stage3_max_reuse_distance {_short(LIVE)}", dict(smaller)))
     if cfg.parallel.activation_checkpointing != "full":
         fixes.append(("parallel.activation_checkpointing=full", dict(checkpointing="full")))
     fixes.append(("optimizer and parameter offload to host memory (--ds_config zero3_offload)",
