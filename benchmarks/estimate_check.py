@@ -80,6 +80,8 @@ def big(name, work) -> dict:
         ds = config_variant(ds, "params", work,
                             offload_param={"device": "nvme", "nvme_path": "auto"})
     row = measured(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS, work, extra)
+    if "refused" in row:  # nothing measured to set beside the estimate
+        raise SystemExit(f"{ds}, {ranks} ranks: {row['refused']}")
     estimate = estimated(ds, BIG_PRESET, BIG_SEQ, ranks, BIG_VOCAB, BIG_LAYERS,
                          extra)["bytes_per_rank"]
     if start != "export":

@@ -45,6 +45,10 @@ def measured(ds_config, preset, seq, ranks, vocab, layers, work, overrides=()):
            *run_args(preset, seq, ranks, vocab, layers, overrides)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    refusal = [line for line in proc.stderr.splitlines() if "--skip_memory_check" in line]
+    if proc.returncode == 2 and refusal:  # the launcher's memory check: a result, not a failure
+        return {"ds_config": ds_config, "ranks": ranks, "refused": refusal[-1],
+                "wall_s": round(time.perf_counter() - t0, 1)}
     if proc.returncode:
         raise SystemExit(f"{ds_config}, {ranks} ranks: the run failed ({proc.returncode}):\n"
                          + "\n".join((proc.stdout + proc.stderr).splitlines()[-15:]))
@@ -142,6 +146,11 @@ def main(argv=None):
             per_rank = est["bytes_per_rank"]
             row["estimate_gib"] = per_rank.get("peak", per_rank["total"]) / 2**30
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
+            if "refused" in row:
+                print(f"  {label}, {ranks} rank(s): refused before building: "
+                      f"{row['refused'].removeprefix('dr_scale: error: ')}", flush=True)
+                rows.append(row)
+                continue
             row["measured_over_estimate"] = row["peak_rss_gib"] / row["estimate_gib"]
             print(f"  {label}, {ranks} rank(s), {row['parameters']} parameters, "
                   f"{row['precision']}: peak RSS per rank {row['peak_rss_gib']:.2f} GiB (start-up "
@@ -150,6 +159,8 @@ def main(argv=None):
                   f"each, wall {row['wall_s']:.0f} s",
                   flush=True)
             rows.append(row)
+    refused = [r for r in rows if "refused" in r]
+    rows = [r for r in rows if "refused" not in r]
     first = {}
     for r in rows:
         base = first.setdefault(r["ds_config"], r)  # the config's first rank count
@@ -163,14 +174,18 @@ def main(argv=None):
             print(f"{r['ranks']} ranks: {r['ds_config']} / {ref['ds_config']}: peak RSS per rank "
                   f"{r['vs_first_config']:.2f}x; losses {r['losses']} vs {ref['losses']} (largest "
                   f"difference {r['max_loss_diff']:.2e})")
+    rows += refused
     for r in rows:
         for k in ("peak_rss_gib", "estimate_gib", "startup_estimate_gib",
                   "measured_over_estimate"):
-            r[k] = round(r[k], 3)
+            if k in r:
+                r[k] = round(r[k], 3)
     write_results(a.out, rows, f"# Peak RSS per rank, {a.preset}{depth} ZeRO-3 ({where})",
                   [("DeepSpeed config", "ds_config"), ("ranks", "ranks"),
                    ("precision", "precision"),
-                   ("peak RSS per rank (GiB)", "peak_rss_gib"), ("estimate (GiB)", "estimate_gib"),
+                   ("peak RSS per rank (GiB)",
+                    lambda r: "refused before building" if "refused" in r else r["peak_rss_gib"]),
+                   ("estimate (GiB)", "estimate_gib"),
                    ("measured / estimate", "measured_over_estimate"),
                    ("step 2-3 (s)", "step_s"), ("wall (s)", "wall_s")],
                   dict(cpu=where))
