@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from dr_scale.errors import DrScaleError
+
 # DeepSpeed's own pickles (not ours): loading them needs weights_only=False.
 _load = lambda p: torch.load(p, map_location="cpu", weights_only=False)  # noqa: E731
 
@@ -72,8 +74,6 @@ def repair_zero3_load(zero3, udir: Path):
       weight decay, norms and biases, resumed with weight decay): each gets its own back from
       the same file, as a direct load (torch's load_state_dict) does.
     `zero3`: DeepSpeed's ZeRO-3 optimizer; `udir`: the universal tag folder it loaded."""
-    from dr_scale.errors import DrScaleError
-
     state = zero3.optimizer.state
     for flat in zero3.fp32_partitioned_groups_flat:
         step = state.get(flat, {}).get("step")
