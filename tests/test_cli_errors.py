@@ -50,7 +50,8 @@ def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
                   1, cache_dir, launcher="python", check=False, timeout=120)
     line = errors_of(proc)
     peak = r"1\.3" if cpu_bf16_support().native else r"1\.6"
-    assert re.search(r"zero1.json: estimated peak " + peak + r" TiB a rank \(`dr-scale estimate`\) "
+    assert re.search(r"zero1.json: estimated peak " + peak + r" TiB a rank \(`dr-scale estimate`, "
+                     r"x1\.2 for the freed pages glibc keeps without train\.release_host_memory\) "
                      r"exceeds [\d.]+ GiB a rank \([\d.]+ GiB of host memory available, shared by "
                      r"1 rank\(s\) on this node\); none of ZeRO-3, checkpointing, offload or 64x "
                      r"the ranks fits; --skip_memory_check starts anyway", line), line
@@ -229,7 +230,8 @@ def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, name
     from dr_scale.parallel.estimate import estimate_for_run
 
     cfg = load_config(None, ["model.preset=llama_1b", "model.vocab_size=4096",
-                             "data.seq_length=256", "train.micro_batch_size=1"])
+                             "data.seq_length=256", "train.micro_batch_size=1",
+                             "train.release_host_memory=true"])
     ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
                   bf16_native=True, device_type="cpu")
     ds["zero_optimization"].update(zero)
@@ -242,3 +244,34 @@ def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, name
     monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
     with pytest.raises(DrScaleError, match=re.escape(f"cheapest change that fits: {names} (")):
         memory_guard.check(cfg, ds, 4, "cpu", "zero3.json")
+
+
+def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
+    """Without train.release_host_memory glibc keeps freed pages the estimate takes as given
+    back (a rank was killed for memory at 1.04x of an estimate that had passed): on a CPU the
+    estimate must fit with 20% to spare, and handing the pages back is the first change named.
+    With it on, the same estimate fits the same limit."""
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+    from dr_scale.errors import DrScaleError
+    from dr_scale.parallel import memory_guard
+    from dr_scale.parallel.estimate import estimate_for_run
+
+    run = ["model.preset=llama_1b", "model.num_layers=8", "model.vocab_size=4096",
+           "data.seq_length=256", "train.micro_batch_size=1"]
+    cfg = load_config(None, run)
+    ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
+                  bf16_native=True, device_type="cpu")
+    need = estimate_for_run(cfg, ds, 4).peak
+    limit = int(need * 1.1)
+    monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
+    with pytest.raises(DrScaleError) as refused:
+        memory_guard.check(cfg, ds, 4, "cpu", "zero3.json")
+    line = str(refused.value)
+    assert "x1.2 for the freed pages glibc keeps without train.release_host_memory" in line
+    assert "cheapest change that fits: train.release_host_memory=true (" in line
+    released = load_config(None, [*run, "train.release_host_memory=true"])
+    memory_guard.check(released, ds, 4, "cpu", "zero3.json")  # fits: no error
+    # a GPU's memory has no glibc between it and the allocator
+    memory_guard.check(cfg, ds, 4, "cuda", "zero3.json")
+

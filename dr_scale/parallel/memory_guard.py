@@ -3,6 +3,9 @@
 in one line with the estimate, the limit and the cheapest change that fits, before any rank
 allocates the model. `--skip_memory_check` for those who know better.
 
+On a CPU rank that keeps freed pages (train.release_host_memory off) the estimate must fit with
+KEPT_PAGES to spare, and handing them back is the first change named.
+
 Cheapest first: ZeRO-3 (same machines, more communication), or under ZeRO-3 its working sets
 made smaller (the step's fp32 gradient a sub-group of 5e7 parameters at a time: free; at most
 1e8 gathered parameters kept live: more all-gathers), activation checkpointing (about a third
@@ -21,6 +24,11 @@ from dr_scale.train.metrics import format_bytes
 
 SUB_GROUP = 5e7  # parameters ZeRO-3's step updates at a time, as the bundled zero3 sets it
 LIVE = 1e8  # gathered parameters ZeRO-3 keeps live (DeepSpeed's default: 1e9)
+# A CPU rank without train.release_host_memory: glibc keeps freed pages that the estimate takes
+# as given back. Measured peaks over the estimate: 1.06x (llama_1b cut to 8 layers, bundled
+# zero3, 2 and 4 ranks, bf16), 1.16x with stage3_max_live_parameters 1e8, and a rank killed for
+# memory at 1.04x of an estimate that had passed this check (fp32, 4 ranks).
+KEPT_PAGES = 1.2
 
 
 def _short(count: float) -> str:
@@ -57,10 +65,14 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
     vocab = run_vocab(cfg)
     need = estimate_for_run(cfg, ds, world, device_type, vocab).peak
     limit, what = rank_limit(device_type, world)
-    if need <= limit:
+    kept = device_type == "cpu" and not cfg.train.release_host_memory
+    margin = KEPT_PAGES if kept else 1.0
+    if need * margin <= limit:
         return
     stage = dsc.zero_stage(ds)
     fixes = []
+    if kept:  # freed pages handed back: the estimate as it is (a few % of step time)
+        fixes.append(("train.release_host_memory=true", dict(margin=1.0)))
     if stage < 3:
         fixes.append(("ZeRO-3 (--ds_config zero3)", dict(zero_stage=3)))
     else:
@@ -85,10 +97,14 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
     cheapest = "none of ZeRO-3, checkpointing, offload or 64x the ranks fits"
     for name, change in fixes:
         ranks = change.pop("world", world)
+        fix_margin = change.pop("margin", margin)
         fits = estimate_for_run(cfg, ds, ranks, device_type, vocab, **change)
-        if fits.peak <= limit:
+        if fits.peak * fix_margin <= limit:
             cheapest = f"cheapest change that fits: {name} ({format_bytes(fits.peak)} a rank)"
             break
+    kept_note = (f", x{KEPT_PAGES:g} for the freed pages glibc keeps without "
+                 f"train.release_host_memory" if kept else "")
     raise DrScaleError(
-        f"{source}: estimated peak {format_bytes(need)} a rank (`dr-scale estimate`) exceeds "
-        f"{format_bytes(limit)} a rank ({what}); {cheapest}; --skip_memory_check starts anyway")
+        f"{source}: estimated peak {format_bytes(need)} a rank (`dr-scale estimate`{kept_note}) "
+        f"exceeds {format_bytes(limit)} a rank ({what}); {cheapest}; --skip_memory_check "
+        f"starts anyway")
