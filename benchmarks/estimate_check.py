@@ -7,12 +7,13 @@ Small layouts (the tiny preset widened) train a few steps under each ZeRO stage,
 checkpointing. The llama_1b layouts (cut to 8 layers, the bundled tokenizer's 4,096 vocabulary:
 the full depth takes 10.4 GiB a rank at 2 ranks, near all of a 24 GiB machine) are the
 big-model paths: ZeRO-3 on 2 and on 4 ranks (memory that falls with ranks; as bundled, and with
-at most 1e8 gathered parameters and freed pages trimmed), ZeRO-Infinity with the optimizer state on NVMe (needs libaio) and with
-the parameters too, the same run started from a sharded Hugging Face folder (model.init_from,
-streamed into each rank's partition), and `dr-scale export` of its checkpoint. The measured peak
-(max over ranks of the resident set from process start, start-up included; for the export, the
-export process's) is set beside `dr-scale estimate`'s `peak` (and `export_peak`) for the same
-settings. Writes results.jsonl and results.md; the CPU model heads both.
+at most 1e8 gathered parameters and freed pages trimmed), ZeRO-Infinity with the optimizer state
+on NVMe (needs libaio) and with the parameters too, the same run started from a sharded Hugging
+Face folder (model.init_from, streamed into each rank's partition), and `dr-scale export` of its
+checkpoint. The measured peak (max over ranks of the resident set from process start, start-up
+included; for the export, the export process's) is set beside `dr-scale estimate`'s `peak` (and
+`export_peak`) for the same settings. Writes results.jsonl and results.md; the CPU model heads
+both.
 """
 import argparse
 import os

@@ -148,7 +148,7 @@ def main(argv=None):
             row["startup_estimate_gib"] = per_rank.get("startup_peak", 0) / 2**30
             if "refused" in row:
                 print(f"  {label}, {ranks} rank(s): refused before building: "
-                      f"{row['refused'].removeprefix('dr_scale: error: ')}", flush=True)
+                      f"{row['refused'].split('error: ', 1)[-1]}", flush=True)
                 rows.append(row)
                 continue
             row["measured_over_estimate"] = row["peak_rss_gib"] / row["estimate_gib"]
@@ -159,22 +159,20 @@ def main(argv=None):
                   f"each, wall {row['wall_s']:.0f} s",
                   flush=True)
             rows.append(row)
-    refused = [r for r in rows if "refused" in r]
-    rows = [r for r in rows if "refused" not in r]
+    ran = [r for r in rows if "refused" not in r]
     first = {}
-    for r in rows:
+    for r in ran:
         base = first.setdefault(r["ds_config"], r)  # the config's first rank count
         if r is not base:
             print(f"{r['ds_config']}: {r['ranks']} ranks / {base['ranks']} ranks: peak RSS per "
                   f"rank {r['peak_rss_gib'] / base['peak_rss_gib']:.2f}x")
-        ref = next(q for q in rows if q["ranks"] == r["ranks"])  # the first config's run
+        ref = next(q for q in ran if q["ranks"] == r["ranks"])  # the first config's run
         if ref is not r:
             r["vs_first_config"] = round(r["peak_rss_gib"] / ref["peak_rss_gib"], 3)
             r["max_loss_diff"] = max(abs(x - y) for x, y in zip(r["losses"], ref["losses"]))
             print(f"{r['ranks']} ranks: {r['ds_config']} / {ref['ds_config']}: peak RSS per rank "
                   f"{r['vs_first_config']:.2f}x; losses {r['losses']} vs {ref['losses']} (largest "
                   f"difference {r['max_loss_diff']:.2e})")
-    rows += refused
     for r in rows:
         for k in ("peak_rss_gib", "estimate_gib", "startup_estimate_gib",
                   "measured_over_estimate"):

@@ -214,6 +214,19 @@ def test_overrides_may_sit_between_the_options():
         parse(build_parser(), ["estimate", "--ds_config", "zero3", "a=1", "--bogus"])
 
 
+def llama_1b_on_4_cpu_ranks(*overrides):
+    """(run config, filled bundled zero3) for llama_1b with the bundled tokenizer's vocabulary on
+    4 CPU ranks, micro-batch 1 x 256 tokens, bf16."""
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+
+    cfg = load_config(None, ["model.preset=llama_1b", "model.vocab_size=4096",
+                             "data.seq_length=256", "train.micro_batch_size=1", *overrides])
+    ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
+                  bf16_native=True, device_type="cpu")
+    return cfg, ds
+
+
 @pytest.mark.parametrize("zero, names", [
     ({"sub_group_size": 1e9}, "zero_optimization.sub_group_size 5e7"),
     ({}, "zero_optimization.stage3_max_live_parameters and stage3_max_reuse_distance 1e8"),
@@ -223,17 +236,11 @@ def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, name
     gradient made a sub-group at a time (free), then fewer gathered parameters kept live (more
     all-gathers), before checkpointing or offload. llama_1b on 4 CPU ranks, a rank given room
     for the smaller working set only (the real estimate either side of it)."""
-    from dr_scale import ds_config as dsc
-    from dr_scale.config import load_config
     from dr_scale.errors import DrScaleError
     from dr_scale.parallel import memory_guard
     from dr_scale.parallel.estimate import estimate_for_run
 
-    cfg = load_config(None, ["model.preset=llama_1b", "model.vocab_size=4096",
-                             "data.seq_length=256", "train.micro_batch_size=1",
-                             "train.release_host_memory=true"])
-    ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
-                  bf16_native=True, device_type="cpu")
+    cfg, ds = llama_1b_on_4_cpu_ranks("train.release_host_memory=true")
     ds["zero_optimization"].update(zero)
     before = estimate_for_run(cfg, ds, 4).peak
     after = estimate_for_run(cfg, ds, 4, sub_group_size=5e7, max_live_parameters=1e8).peak
@@ -251,17 +258,11 @@ def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
     back (a rank was killed for memory at 1.04x of an estimate that had passed): on a CPU the
     estimate must fit with 20% to spare, and handing the pages back is the first change named.
     With it on, the same estimate fits the same limit."""
-    from dr_scale import ds_config as dsc
-    from dr_scale.config import load_config
     from dr_scale.errors import DrScaleError
     from dr_scale.parallel import memory_guard
     from dr_scale.parallel.estimate import estimate_for_run
 
-    run = ["model.preset=llama_1b", "model.num_layers=8", "model.vocab_size=4096",
-           "data.seq_length=256", "train.micro_batch_size=1"]
-    cfg = load_config(None, run)
-    ds = dsc.fill(dsc.read_json(dsc.resolve_path("zero3")), cfg, 4, source="zero3.json",
-                  bf16_native=True, device_type="cpu")
+    cfg, ds = llama_1b_on_4_cpu_ranks("model.num_layers=8")
     need = estimate_for_run(cfg, ds, 4).peak
     limit = int(need * 1.1)
     monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
@@ -270,8 +271,7 @@ def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
     line = str(refused.value)
     assert "x1.2 for the freed pages glibc keeps without train.release_host_memory" in line
     assert "cheapest change that fits: train.release_host_memory=true (" in line
-    released = load_config(None, [*run, "train.release_host_memory=true"])
+    released, _ = llama_1b_on_4_cpu_ranks("model.num_layers=8", "train.release_host_memory=true")
     memory_guard.check(released, ds, 4, "cpu", "zero3.json")  # fits: no error
     # a GPU's memory has no glibc between it and the allocator
     memory_guard.check(cfg, ds, 4, "cuda", "zero3.json")
-

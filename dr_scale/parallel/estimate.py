@@ -6,7 +6,7 @@ What is counted, per rank, for AdamW under DeepSpeed:
 - gradients: the working-precision gradients (ZeRO-2/3: this rank's partition) plus the fp32
   gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2:
   partition; ZeRO-3: one `sub_group_size` sub-group of the partition at a time,
-  `step_gradient_bytes`), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's
+  `step_sub_group`), and in fp32 too under ZeRO-1/2/3, whose step flattens the partition's
   gradients into a new tensor (runtime/zero/stage_1_and_2.py, stage3.py
   `_prepare_fp32_grad_for_sub_group`);
 - optimizer states: fp32 master weights (mixed precision, and in fp32 under ZeRO-1/2/3: ZeRO-1/2
@@ -190,9 +190,10 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     if zero_stage in (1, 2) and offload_optimizer == "none":
         step_flat = n * 4 / dp
     if zero_stage == 3 and offload_optimizer == "none":
-        grads_fp32 = step_gradient_bytes(n / dp, largest_tensor(shape) / dp, sub_group_size,
-                                         lp if mixed else 0)
-        step_flat = step_gradient_bytes(n / dp, largest_tensor(shape) / dp, sub_group_size, 0)
+        group = step_sub_group(n / dp, largest_tensor(shape) / dp, sub_group_size)
+        # the 16-bit gradients flattened, then cast (in fp32 the cast is the flat tensor itself)
+        grads_fp32 = group * (4 + (lp if mixed else 0))
+        step_flat = group * 4
     master = master_weight_bytes(mixed, zero_stage)
     gradients = grads_lp + grads_fp32
     optimizer = n * (master + ADAM_STATE_BYTES) / zero_div
@@ -255,15 +256,14 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
                           transient_is=what)
 
 
-def step_gradient_bytes(partition: float, largest_piece: float, sub_group_size: float,
-                        flatten_bytes: int) -> float:
-    """ZeRO-3's step makes the fp32 gradient one sub-group at a time and frees it after that
-    group's update (stage3.py `_prepare_fp32_grad_for_sub_group`, `_release_sub_group`): the
-    group's 16-bit gradients flattened into a new tensor (`flatten_bytes` a parameter; none in
-    fp32, where the cast returns the flat tensor itself), then cast to fp32. A sub-group takes
-    whole parameter partitions until it reaches `sub_group_size`, so it can pass it by one
-    partition (`largest_piece`), and never holds more than the rank's `partition`."""
-    return min(partition, sub_group_size + largest_piece) * (4 + flatten_bytes)
+def step_sub_group(partition: float, largest_piece: float, sub_group_size: float) -> float:
+    """Parameters of the largest sub-group ZeRO-3's step updates at once: it makes their fp32
+    gradient, the group's 16-bit gradients flattened into a new tensor and cast, and frees it
+    after the group's update (stage3.py `_prepare_fp32_grad_for_sub_group`,
+    `_release_sub_group`). A sub-group takes whole parameter partitions until it reaches
+    `sub_group_size`, so it can pass it by one partition (`largest_piece`), and never holds more
+    than the rank's `partition`."""
+    return min(partition, sub_group_size + largest_piece)
 
 
 def master_weight_bytes(mixed: bool, zero_stage: int) -> int:

@@ -7,7 +7,7 @@ On a CPU rank that keeps freed pages (train.release_host_memory off) the estimat
 KEPT_PAGES to spare, and handing them back is the first change named.
 
 Cheapest first: ZeRO-3 (same machines, more communication), or under ZeRO-3 its working sets
-made smaller (the step's fp32 gradient a sub-group of 5e7 parameters at a time: free; at most
+made smaller (the step's fp32 gradient a sub-group of zero3's size at a time: free; at most
 1e8 gathered parameters kept live: more all-gathers), activation checkpointing (about a third
 more compute), optimizer offload to host memory (slower steps), optimizer state on NVMe (slower
 still), then more ranks (more machines).
@@ -22,7 +22,6 @@ from dr_scale.parallel.estimate import estimate_for_run
 from dr_scale.train.metrics import format_bytes
 
 
-SUB_GROUP = 5e7  # parameters ZeRO-3's step updates at a time, as the bundled zero3 sets it
 LIVE = 1e8  # gathered parameters ZeRO-3 keeps live (DeepSpeed's default: 1e9)
 # A CPU rank without train.release_host_memory: glibc keeps freed pages that the estimate takes
 # as given back. Measured peaks over the estimate: 1.06x (llama_1b cut to 8 layers, bundled
@@ -77,9 +76,10 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
         fixes.append(("ZeRO-3 (--ds_config zero3)", dict(zero_stage=3)))
     else:
         smaller = {}
-        if dsc.sub_group_size(ds) > SUB_GROUP:
-            smaller["sub_group_size"] = SUB_GROUP
-            fixes.append((f"zero_optimization.sub_group_size {_short(SUB_GROUP)}", dict(smaller)))
+        bundled = dsc.sub_group_size(dsc.read_json(dsc.resolve_path("zero3")))  # one place
+        if dsc.sub_group_size(ds) > bundled:
+            smaller["sub_group_size"] = bundled
+            fixes.append((f"zero_optimization.sub_group_size {_short(bundled)}", dict(smaller)))
         live = ds.get("zero_optimization", {}).get("stage3_max_live_parameters", 1e9)
         if float(live) > LIVE:
             smaller["max_live_parameters"] = LIVE

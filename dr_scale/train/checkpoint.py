@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dr_scale import ds_config as dsc, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
+from dr_scale.train.universal import repair_zero3_load
 
 STATE_FILE = "dr_scale_state_rank{rank}.pt"
 STAGING = ".incoming"
@@ -204,8 +205,6 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
     if load_path is None:
         raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
     if plan == "universal" and target_stage == 3:
-        from dr_scale.train.universal import repair_zero3_load
-
         repair_zero3_load(engine.optimizer, load_dir / tag)
     nvme_offload.restore_optimizer_state(engine, load_dir, tag)
     return state, path
