@@ -26,15 +26,20 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return F.gelu(x.float() + bias.float(), approximate="tanh").to(x.dtype)
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None,
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device="cpu",
                   scale_frequencies=None):
-    """cos and sin of shape (seq, head_dim), in the half-split layout Llama checkpoints use;
-    `scale_frequencies` maps the inverse frequencies (long-context scaling), if given."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-                                / head_dim))
+    """cos and sin of shape (seq, head_dim), fp32, in the half-split layout Llama checkpoints
+    use; `scale_frequencies` maps the inverse frequencies (long-context scaling), if given.
+
+    Positions and exponents are counted in int64 and converted with `.float()`, on an explicit
+    device: a floating constructor may be rewritten behind our back (DeepSpeed's zero.Init casts
+    every floating tensor that torch.arange makes to the training dtype, an explicit dtype
+    included, and puts it on the accelerator), and bf16 positions collapse past 256."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
     if scale_frequencies is not None:
         inv_freq = scale_frequencies(inv_freq)
-    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    t = torch.arange(seq_len, device=device, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()

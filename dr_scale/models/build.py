@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from dr_scale.errors import DrScaleError
+from dr_scale.models.layers import init_weights
 from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import ModelSpec
 from dr_scale.kernels.registry import implementation
@@ -135,19 +136,35 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
 
 
 def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:
-    """Build the plain nn.Module; device="meta" allocates nothing (counting, estimates)."""
+    """The plain nn.Module with its initial values (models/layers.py init_weights); on
+    device="meta", its structure only (counting, estimates, sharded builds)."""
+    model = construct(shape, device)
+    if device != "meta":
+        initialize(model, shape)
+    return model
+
+
+def construct(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:
+    """The module's structure: parameters allocated, torch's own initialisers skipped (every
+    parameter gets its value from `initialize` or a checkpoint), computed buffers made. Its
+    values are set apart from it so that a build inside DeepSpeed's zero.Init, which rewrites
+    torch's tensor constructors while it is open, sets them after it has closed
+    (parallel/sharded_build.py)."""
     module = spec_of(shape.arch).module
-    if device is None:
-        return module(shape)
-    with torch.device(device), (_no_initialisation() if device == "meta" else nullcontext()):
+    with (torch.device(device) if device else nullcontext()), _no_initialisation():
         return module(shape)
 
 
-# torch's layers initialise their weights as they are built; on meta there are no values, and
-# torch's meta `normal_` is a Python reference that imports torch._dynamo on first use: 1.6-2.2 s
-# of every launch on a 2-core CPU, spent only on the launcher's memory estimate. So on meta the
-# initialisers return their tensor untouched (as transformers' no_init_weights and accelerate's
-# init_empty_weights do); the model's own init_weights already skips meta tensors.
+def initialize(model: torch.nn.Module, shape: ModelShape):
+    """Every parameter of a constructed model set to its initial value."""
+    init_weights(model, shape.init_std, shape.num_layers)
+
+
+# torch's layers initialise their weights as they are built, values that init_weights replaces
+# anyway; on meta there are no values at all, and torch's meta `normal_` is a Python reference
+# that imports torch._dynamo on first use: 1.6-2.2 s of every launch on a 2-core CPU. So while a
+# model is constructed the initialisers return their tensor untouched (as transformers'
+# no_init_weights and accelerate's init_empty_weights do).
 _INITIALISERS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
                  "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
 

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss, init_weights
+from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss
 from dr_scale.models.lm_head import LMHead, fuses_loss
 from dr_scale.models.spec import ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
@@ -34,8 +34,6 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
         if shape.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        if self.wte.weight.device.type != "meta":
-            init_weights(self, shape.init_std, shape.num_layers)
         self.loss_function = causal_lm_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None,

@@ -28,7 +28,12 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Rotary(nn.Module):
-    """cos/sin tables, kept as non-persistent buffers (recomputed, never checkpointed)."""
+    """cos/sin tables, kept as non-persistent fp32 buffers (recomputed, never checkpointed).
+
+    They are the same however the model is built or cast: computed on the CPU from integer
+    positions (reference.rotary_tables: exact also inside DeepSpeed's zero.Init), made by
+    `init_buffers` for a model built on meta, and left fp32 by dtype casts (`_apply`), so a bf16
+    model rotates by the angles its fp32 export will."""
 
     def __init__(self, head_dim: int, max_seq: int, theta: float, scaling=None):
         """`scaling`: a models.rope_scaling.RopeScaling, or None."""
@@ -45,12 +50,21 @@ class Rotary(nn.Module):
 
     def _tables(self):
         max_seq, head_dim, theta, scaling = self.table_args
-        return reference.rotary_tables(max_seq, head_dim, theta, scale_frequencies=scaling)
+        return reference.rotary_tables(max_seq, head_dim, theta, device="cpu",
+                                       scale_frequencies=scaling)
 
     def init_buffers(self):
         """The tables computed on the CPU, for a model built on the meta device."""
-        with torch.device("cpu"):
-            self.cos, self.sin = self._tables()
+        self.cos, self.sin = self._tables()
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts of the module reach its buffers here (`model.bfloat16()`, `.to()`):
+        the tables follow a move to another device but keep fp32 through a cast."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        if self.cos.dtype != cos.dtype:
+            self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
 
     def forward(self, seq_len: int, position_ids=None):
         """Tables for positions 0..seq_len-1, (seq, head_dim); or, with `position_ids` (batch,
@@ -167,24 +181,27 @@ def _rule(module_name: str, module: nn.Module, attr: str, std: float, out_std: f
 
 
 def initial_value(rule: tuple, shape, name: str) -> torch.Tensor:
-    """The parameter `name`'s initial value, whole, in fp32 on the CPU. Its random draws come
-    from a generator of its own, seeded by the global seed (torch.manual_seed) and its name:
-    a rank that builds only some tensors, or slices of them (tensor- and pipeline-parallel
-    builds, parallel/sharded_build.py), gets the values an unsharded build gets, and so does a
-    build on another device."""
-    if rule[0] == "zeros":
-        return torch.zeros(shape)
-    if rule[0] == "ones":
-        return torch.ones(shape)
+    """The parameter `name`'s initial value, whole, in fp32 on the CPU (device and dtype
+    explicit: a default dtype or device set elsewhere does not reach it). Its random draws come
+    from a generator of its own, seeded by the global seed (torch.manual_seed) and its name: a
+    rank that builds only some tensors, or slices of them (tensor- and pipeline-parallel builds,
+    parallel/sharded_build.py), gets the values an unsharded build gets, and so does a build on
+    another device."""
+    if rule[0] in ("zeros", "ones"):
+        return torch.full(shape, 0.0 if rule[0] == "zeros" else 1.0, dtype=torch.float32,
+                          device="cpu")
     digest = hashlib.blake2b(f"{torch.initial_seed()}:{name}".encode(), digest_size=8).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    return torch.empty(shape).normal_(0.0, rule[1], generator=generator)
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
+    return torch.normal(0.0, rule[1], size=tuple(shape), generator=generator,
+                        dtype=torch.float32, device="cpu")
 
 
 @torch.no_grad()
 def init_weights(model: nn.Module, std: float, num_layers: int):
     """Every parameter set to its initial value (initial_rules, initial_value). Under ZeRO-3's
-    sharded construction each tensor is gathered whole for it, one at a time (`whole`)."""
+    sharded construction each tensor is gathered whole for it, one at a time (`whole`); this runs
+    after zero.Init has closed (parallel/sharded_build.py), where torch's constructors are
+    torch's again."""
     for name, rule in initial_rules(model, std, num_layers).items():
         param = model.get_parameter(name)
         with whole(param):

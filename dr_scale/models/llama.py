@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.layers import (RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss,
-                                    init_weights)
+from dr_scale.models.layers import RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss
 from dr_scale.models.lm_head import LMHead, fuses_loss
 from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import HFFormat, ModelSpec
@@ -49,8 +48,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
         if shape.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if self.lm_head.weight.device.type != "meta":
-            init_weights(self, shape.init_std, shape.num_layers)
         self.loss_function = causal_lm_loss
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor = None,

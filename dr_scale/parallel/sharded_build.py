@@ -3,7 +3,8 @@
 - ZeRO-3 without tensor or pipeline parallelism: the model is constructed inside DeepSpeed's
   `zero.Init`: each submodule's parameters are cast to the training precision and partitioned
   across the data-parallel ranks as soon as that submodule exists, so a rank holds one module
-  whole at most while building, then its 1/N shard.
+  whole at most while building, then its 1/N shard. The values are set after zero.Init has
+  closed, one parameter gathered whole at a time.
 - Tensor or pipeline parallelism: the model is built on the meta device (nothing allocated),
   cut into this rank's pipeline stage and split into its tensor-parallel slices there
   (parallel/parallelize.py), and only then made real by `materialize`: each parameter left on
@@ -20,6 +21,7 @@ from torch import nn
 
 from dr_scale import ds_config as dsc
 from dr_scale.models import build_model
+from dr_scale.models.build import construct, initialize
 from dr_scale.models.layers import initial_rules, initial_value
 from dr_scale.parallel.topology import Topology
 
@@ -44,9 +46,25 @@ def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
     if not builds_sharded(ds, topo):
         return build_model(shape)
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    # While zero.Init is open, every floating tensor torch's constructors make is cast to the
+    # training dtype and put on the accelerator, whatever dtype and device are asked for. Only
+    # the structure is made inside it; the values (random draws from CPU generators, in fp32)
+    # are set after it has closed, a parameter gathered whole at a time.
     with deepspeed.zero.Init(config_dict_or_path=ds):
-        return build_model(shape)
+        model = construct(shape)
+    initialize(model, shape)
+    # computed buffers (CPU, fp32) go where the partitioned parameters went; the engine moves
+    # buffers of a model built otherwise, but not of a zero.Init one
+    _buffers_to(model, torch.device(get_accelerator().current_device_name()))
+    return model
+
+
+def _buffers_to(model: nn.Module, device: torch.device):
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
 
 
 def zero3_partitioner(ds: dict, mpu):
