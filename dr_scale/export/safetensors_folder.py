@@ -91,12 +91,13 @@ class HFWeights:
 
         shape = self.shapes[name]
         numel = math.prod(shape)
+        flat = end is not None or start > 0
         end = numel if end is None else min(end, numel)
         path = self.file_of[name]
         try:
             with safe_open(str(path), "pt") as f:
-                if start == 0 and end == numel:
-                    return f.get_tensor(name)
+                if start == 0 and end == numel:  # (one rank's ZeRO-3 partition: all of it)
+                    return f.get_tensor(name).reshape(-1) if flat else f.get_tensor(name)
                 row = numel // shape[0] if shape else 1
                 first, last = start // row, -(-end // row)
                 rows = f.get_slice(name)[first:last].reshape(-1)
