@@ -158,6 +158,12 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
     if ds.get("bf16", {}).get("enabled") is True and ds.get("fp16", {}).get("enabled"):
         raise DrScaleError(f"{source}: bf16.enabled and fp16.enabled are both true; pick one")
+    buffer_dtype = (ds.get("data_types") or {}).get("buffer_dtype")
+    if buffer_dtype not in (None, "fp32", "float32"):
+        # DeepSpeed would cast every buffer, the rotary tables (positions) included, straight
+        # through .data: bf16 positions collapse past 256
+        raise DrScaleError(f"{source}: data_types.buffer_dtype={buffer_dtype!r}: the models' "
+                           "buffers (rotary tables) stay fp32; remove the key or set \"fp32\"")
     leftover = _find_auto(ds)
     if leftover:
         raise DrScaleError(f"{source}: {leftover}: \"auto\" has no value in the experiment config "
