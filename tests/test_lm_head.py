@@ -117,3 +117,31 @@ def check_vocabulary_parallel_loss(tmp_path, kernel: str):
             for name in ("grad_h", "grad_w"):
                 a, b = torch.tensor(got[name]), torch.tensor(r[f"ref_{name}"])
                 assert (a - b).abs().max() <= tol * b.abs().max(), (rank, dtype, name)
+
+
+def test_evaluation_under_no_grad_keeps_no_gradient():
+    """Under torch.no_grad() (evaluation) the fused head computes only the loss: no fp32
+    vocabulary x hidden weight gradient is allocated (it was: needs_input_grad says what the
+    inputs require, not whether a backward will come). Peak resident memory over the call, from
+    a reset high-water mark (the mechanism mem_peak_bytes uses on CPU)."""
+    from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
+
+    vocab, hidden, tokens = 32768, 512, 256  # the weight's gradient: 64 MiB in fp32
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.02).requires_grad_()
+    h = torch.randn(tokens, hidden, generator=g).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+
+    def extra_peak(fn):
+        reset_peak_memory("cpu")
+        before = peak_memory_bytes("cpu")
+        out = fn()
+        return out, (peak_memory_bytes("cpu") - before) / 2 ** 20
+
+    with torch.no_grad():
+        evaluated, eval_mib = extra_peak(lambda: linear_cross_entropy(h, weight, labels, 64))
+    trained, train_mib = extra_peak(lambda: linear_cross_entropy(h, weight, labels, 64))
+    assert torch.equal(evaluated, trained.detach())
+    # a chunk's logits (8 MiB) and the loss's fp32 transients of them; no 64 MiB gradient
+    assert eval_mib < 48, eval_mib
+    assert train_mib - eval_mib >= 48, (train_mib, eval_mib)  # the gradient kept for backward

@@ -119,3 +119,20 @@ def test_large_tensors_get_pages_of_their_own():
                                              capture_output=True, text=True, check=True).stdout)
                   for how in ("default", "fixed")}
     assert given_back["fixed"] > 200 and given_back["default"] < 50, given_back
+
+
+def test_peak_memory_starts_anew_at_reset():
+    """mem_peak_bytes is the training's peak: the trainer resets the high-water mark before its
+    first step, so a start-up buffer (the peak-FLOPs matmuls, the kernel choice) freed by then
+    is not counted (CPU: VmHWM, reset through /proc/self/clear_refs)."""
+    from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
+
+    startup = torch.ones(64 * 2 ** 20 // 4)  # 64 MiB, touched
+    del startup
+    before = peak_memory_bytes("cpu")
+    reset_peak_memory("cpu")
+    after = peak_memory_bytes("cpu")
+    assert before - after >= 48 * 2 ** 20, (before, after)
+    training = torch.ones(16 * 2 ** 20 // 4)
+    assert peak_memory_bytes("cpu") - after >= 15 * 2 ** 20  # and counts what comes after
+    del training

@@ -44,12 +44,16 @@ def chunk_tokens(vocab_size: int, budget: int = CHUNK_BYTES) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk: int, ignore_index: int, group=None,
-                vocab_start: int = 0):
+                vocab_start: int = 0, grad_wanted: bool = True):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         counted = y != ignore_index
         n = counted.sum().clamp(min=1)
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad says what the inputs require, also under torch.no_grad() where no
+        # backward will come (evaluation); `grad_wanted` is the caller's grad mode (inside
+        # forward it is always off): without it no gradient is computed or kept
+        want_h = grad_wanted and ctx.needs_input_grad[0]
+        want_w = grad_wanted and ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if want_h else None
         # summed in fp32 over the chunks, as the unfused matmul accumulates over all tokens
         # (summing a bf16 weight's gradient in bf16 in place, with addmm, saved 0.1 GiB of the
@@ -96,7 +100,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # in place: the kept gradients are this function's own (no second copy of V x d)
         return (None if grad_h is None else grad_h.mul_(grad_out.to(grad_h.dtype)),
                 None if grad_w is None else grad_w.mul_(grad_out.to(grad_w.dtype)),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _whole_vocabulary(lse, picked, group):
@@ -120,7 +124,7 @@ def linear_cross_entropy(hidden, weight, labels, chunk: int, ignore_index: int =
     the whole vocabulary's, and the hidden states' gradient this slice's share (sum it over the
     group: DeepSpeed's ColumnParallel does, in fuse_vocab_parallel_head)."""
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk, ignore_index, group,
-                                     vocab_start)
+                                     vocab_start, torch.is_grad_enabled())
 
 
 def fuses_loss(head) -> bool:

@@ -9,12 +9,36 @@ from pathlib import Path
 
 
 def peak_memory_bytes(device_type: str) -> int:
-    """Peak memory of this rank: accelerator allocations on a GPU, resident set size on CPU."""
+    """Peak memory of this rank since the last `reset_peak_memory`: accelerator allocations on a
+    GPU, resident set size on CPU (VmHWM; the process's lifetime peak where /proc has none)."""
     if device_type == "cuda":
         import torch
 
         return int(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device_type: str):
+    """Start the peak anew (before the first step): start-up's measurements (peak FLOPs, the
+    kernel choice) hold buffers the training never holds. On CPU writing 5 to
+    /proc/self/clear_refs sets VmHWM to the current resident size (Linux)."""
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def format_bytes(n: float) -> str:

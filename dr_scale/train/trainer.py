@@ -14,7 +14,7 @@ from dr_scale.errors import Preempted
 from dr_scale.train import checkpoint, hangs, host_memory
 from dr_scale.train.checkpoint_writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList
-from dr_scale.train.metrics import peak_memory_bytes
+from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
 from dr_scale.train.preemption import StopSignals
 
 
@@ -172,6 +172,7 @@ class Trainer:
         signals.restore()  # after a stop signal they stay noted: the ranks are leaving together
 
     def _fit(self, t, stop, signals):
+        reset_peak_memory(self.device.type)  # mem_peak_bytes: the training's, not start-up's
         self.callbacks.fire("on_train_start", self)
         if self.step == 0 and t.eval_at_start:
             self.evaluate()
