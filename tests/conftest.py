@@ -57,10 +57,10 @@ def run_rank_script(name: str, *args, timeout=300):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def run_group(cmd, env, timeout):
+def run_group(cmd, env, timeout, cwd=None):
     """Run cmd in its own process group; on timeout kill the whole group (launcher and ranks)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -3,8 +3,10 @@ from another directory the console script and the documented launch form
 (`deepspeed --module dr_scale.launch`) find the bundled DeepSpeed configs by bare name."""
 import json
 import os
+import site
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +15,18 @@ from tests.conftest import ROOT, free_port, run_group
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-    """A venv that sees this interpreter's torch and deepspeed (installing them again would
-    fetch gigabytes) but has its own, non-editable copy of dr_scale."""
+    """A venv that sees this interpreter's packages, torch and deepspeed (installing them again
+    would fetch gigabytes), but has its own, non-editable copy of dr_scale. The running
+    interpreter is often a venv itself, whose `--system-site-packages` would be the base
+    interpreter's (without torch): the running one's site-packages are named in a .pth file,
+    after the new venv's own."""
     path = tmp_path_factory.mktemp("venv") / "v"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     py = path / "bin" / "python"
+    own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(own) / "running_interpreter.pth").write_text("\n".join(parents) + "\n")
     proc = subprocess.run([str(py), "-m", "pip", "install", "--no-deps",
                            "--quiet", str(ROOT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,14 +56,14 @@ def test_console_script_from_another_directory(venv, tmp_path):
 
 def test_launch_of_the_installed_module(venv, tmp_path, cache_dir):
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1")
-    # `deepspeed ...` under the venv's interpreter (the venv borrows deepspeed from the system, so
-    # it has no script of its own): the launcher starts its ranks with that interpreter.
+    # `deepspeed ...` under the venv's interpreter (the venv borrows deepspeed from the running
+    # interpreter, so it has no script of its own): the launcher starts its ranks with it.
     cmd = [str(venv / "bin" / "python"), "-m", "deepspeed.launcher.runner",
            "--master_port", str(free_port()), "--module",
            "dr_scale.launch", "--ds_config", "zero1", "--run_dir", str(tmp_path / "run"),
            "data.seq_length=64", "train.max_steps=2", "train.eval_samples=8",
            "logging.plot=false", "logging.tensorboard=false"]
-    code, out, err = run_group(cmd, env, timeout=300)
+    code, out, err = run_group(cmd, env, timeout=300, cwd=tmp_path)  # not the checkout
     assert code == 0, (out + err)[-3000:]
     assert f"run folder {tmp_path / 'run'}" in out
     snapshot = json.loads((tmp_path / "run" / "run.json").read_text())
