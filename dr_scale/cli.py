@@ -4,6 +4,7 @@
     dr-scale tokenizer  --type bpe --input a.jsonl --out tok   (a tokenizer.json)
     dr-scale preprocess --input a.jsonl b.parquet --tokenizer tok.model --out data/corpus [--workers N]
     dr-scale export     --run_dir runs/X --out hf/X [--step N] [--ema] [--max_shard_size 5GB]
+    dr-scale eval       --hf hf/X --run_dir runs/X [--max_rel_diff 0.01] [--json]
     dr-scale reshard    --run_dir runs/X --ranks 16 [--zero_stage 3] [--step N] [--workers K]
     dr-scale presets
     dr-scale estimate   --ds_config zero3 --ranks 8 [--config Y] [dotted.key=value ...] [--json]
@@ -77,6 +78,38 @@ def cmd_export(a):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"wrote {out} (Hugging Face {shape.arch}, {len(files)} weight file(s), "
           f"{total / 2**30:.2f} GiB) from {ckpt_dir / tag}; peak RSS {peak:.2f} GiB")
+
+
+def cmd_eval(a):
+    import json
+
+    import torch
+    from tqdm import tqdm  # percent, rate and ETA on stderr
+
+    from dr_scale.export.score import score
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bar = tqdm(desc="eval", unit="sample", disable=a.json)
+
+    def progress(done, total, tokens_per_s):
+        bar.total = total
+        bar.set_postfix_str(f"{tokens_per_s:,.0f} tok/s", refresh=False)
+        bar.update(done - bar.n)
+
+    result = score(a.hf, a.run_dir, a.batch_size, device, progress)
+    bar.close()
+    if a.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        print(f"{a.hf}: held-out loss {result.loss:.4f} (ppl {math.exp(min(result.loss, 50)):.2f}) "
+              f"on {result.samples} samples, {result.tokens:,} tokens, "
+              f"{result.tokens / result.seconds:,.0f} tok/s; the run's eval_loss at step "
+              f"{result.run_step}: {result.run_loss:.4f} ({100 * result.relative_difference:.2f}% "
+              f"apart)")
+    if a.max_rel_diff is not None and result.relative_difference > a.max_rel_diff:
+        raise DrScaleError(f"{a.hf}: held-out loss {result.loss:.4f} is "
+                           f"{100 * result.relative_difference:.2f}% from the run's "
+                           f"{result.run_loss:.4f}, over --max_rel_diff {a.max_rel_diff}")
 
 
 def cmd_reshard(a):
@@ -217,6 +250,16 @@ def build_parser():
                     help="largest weight file (5GB, 500MB, 2GiB); larger models are split into "
                          "model-0000k-of-0000n.safetensors with an index, as transformers does")
     ex.set_defaults(fn=cmd_export)
+    ev = sub.add_parser("eval", help="score a transformers folder on a run's held-out samples, "
+                        "beside the run's own eval_loss")
+    ev.add_argument("--hf", required=True, help="a transformers folder (dr-scale export's)")
+    ev.add_argument("--run_dir", required=True, help="the run whose held-out samples to use")
+    ev.add_argument("--batch_size", type=int, default=4)
+    ev.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
+    ev.add_argument("--max_rel_diff", type=float, default=None,
+                    help="exit 2 when the two losses differ by more (e.g. 0.01: 1%%)")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(fn=cmd_eval)
     rs = sub.add_parser("reshard", help="convert a checkpoint for another number of ranks or "
                         "ZeRO stage, ahead of the job that resumes it")
     rs.add_argument("--run_dir", required=True)
