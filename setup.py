@@ -19,7 +19,9 @@ setup(
     packages=packages,
     package_dir={"dr_scale.kernels": "kernels", "dr_scale.ds_configs": "ds_configs"},
     package_data={"dr_scale": ["data/corpus/*.jsonl.gz", "data/corpus/*.md"],
-                  "dr_scale.ds_configs": ["*.json"]},
+                  "dr_scale.ds_configs": ["*.json"],
+                  # the fused kernels are built from source on first use, also when installed
+                  "dr_scale.kernels.cuda": ["*.cu", "*.cuh", "*.h", "*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.16",

@@ -158,6 +158,13 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
     if ds.get("bf16", {}).get("enabled") is True and ds.get("fp16", {}).get("enabled"):
         raise DrScaleError(f"{source}: bf16.enabled and fp16.enabled are both true; pick one")
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if offload in ("cpu", "nvme") and "optimizer" not in ds:
+        # DeepSpeed steps offloaded states with its own CPU Adam, built from this section; a
+        # client optimizer ends in its ZeRORuntimeException
+        raise DrScaleError(f"{source}: zero_optimization.offload_optimizer (device {offload}) "
+                           "needs an \"optimizer\" section (e.g. {\"type\": \"AdamW\", "
+                           "\"params\": {\"lr\": \"auto\", \"weight_decay\": \"auto\"}})")
     buffer_dtype = (ds.get("data_types") or {}).get("buffer_dtype")
     if buffer_dtype not in (None, "fp32", "float32"):
         # DeepSpeed would cast every buffer, the rotary tables (positions) included, straight

@@ -123,3 +123,16 @@ def test_reduction_dtype_is_stated():
     assert dsc.reduction_dtype({"bf16": {"enabled": True}, "communication_data_type": "fp32"}) \
         == "fp32 (communication_data_type)"
     assert dsc.reduction_dtype({}) == "fp32"
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offloaded_optimizer_without_an_optimizer_section_is_one_line(device):
+    """DeepSpeed's CPU Adam is built from the "optimizer" section; without one it would end in
+    its ZeRORuntimeException traceback after the process group started."""
+    cfg = load_config(None, [])
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": device}}}
+    with pytest.raises(DrScaleError) as e:
+        dsc.fill(ds, cfg, 1, source="off.json")
+    assert str(e.value).startswith(f"off.json: zero_optimization.offload_optimizer (device "
+                                   f"{device}) needs an \"optimizer\" section")
+    dsc.fill(dict(ds, optimizer={"type": "AdamW", "params": {"lr": "auto"}}), cfg, 1)

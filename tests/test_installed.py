@@ -41,6 +41,22 @@ def test_installed_copy_is_used_outside_the_checkout(venv, tmp_path):
     assert all(str(venv) in f and str(ROOT) not in f for f in out), out
 
 
+def test_installed_copy_carries_the_cuda_sources(venv, tmp_path):
+    """The fused kernels build from source on first use: every source the build names, and the
+    headers they include, are installed beside it, byte for byte."""
+    out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                          "import pathlib, dr_scale.kernels.cuda as c; "
+                          "print(pathlib.Path(c.__file__).parent)"],
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    installed = Path(out.stdout.strip())
+    assert str(venv) in str(installed)
+    sources = sorted(p.name for p in (ROOT / "kernels" / "cuda").iterdir()
+                     if p.suffix in (".cu", ".cuh", ".h", ".cpp"))
+    assert {"binding.cpp", "norms.cu", "common.cuh", "dr_kernels.h"} <= set(sources)
+    for name in sources:
+        assert (installed / name).read_bytes() == (ROOT / "kernels" / "cuda" / name).read_bytes()
+
+
 def test_console_script_from_another_directory(venv, tmp_path):
     exe = venv / "bin" / "dr-scale"
     out = subprocess.run([str(exe), "presets"], cwd=tmp_path, capture_output=True, text=True)

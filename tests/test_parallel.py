@@ -294,3 +294,21 @@ def test_documents_apart_under_tp_sp_pp_and_checkpointing(packed_reference, shor
         assert losses == pytest.approx(want_losses, rel=1e-5), name
         assert ds_norm == pytest.approx(want_norm, rel=1e-5), name
         assert_same_weights(weights, want_weights)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_layers=1"], "parallel.pipeline_parallel=2 exceeds model.num_layers=1: every "
+                             "stage needs a block"),
+])
+def test_pipeline_refusals_come_with_the_check_before_any_group(overrides, message):
+    """parallelize.check runs before the process group (launch's first step): a layout the
+    pipeline cannot take is refused there."""
+    from dr_scale import ds_config as dsc
+    from dr_scale.config import load_config
+    from dr_scale.models import resolve_shape
+    from dr_scale.parallel import parallelize
+
+    cfg = load_config(None, ["parallel.pipeline_parallel=2", *overrides])
+    ds = dsc.read_json(dsc.resolve_path("zero1"))
+    with pytest.raises(DrScaleError, match=message):
+        parallelize.check(resolve_shape(cfg.model), Topology(2, pipeline=2), cfg, ds, "zero1")

@@ -24,7 +24,7 @@ from torch import nn
 from dr_scale import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel import checkpointing, sequence
-from dr_scale.parallel.pipeline import to_pipeline
+from dr_scale.parallel.pipeline import pipeline_check, to_pipeline
 from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
 from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_model
 from dr_scale.parallel.topology import Topology
@@ -45,6 +45,8 @@ class Parallelized:
 def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
     """Every refusal, before anything is built (also run before the process group starts)."""
     p, zero = cfg.parallel, dsc.zero_stage(ds)
+    if topo.pipeline > 1:
+        pipeline_check(shape, topo.pipeline)
     if topo.pipeline > 1 and zero >= 2:
         raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero} with "
                            f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "

@@ -71,6 +71,16 @@ def pipeline_loss(logits, labels):
     return ops.cross_entropy(logits, labels)
 
 
+def pipeline_check(shape, stages: int):
+    """The refusals of a pipelined layout, before anything is built (parallelize.check)."""
+    if not spec_of(shape.arch).pipeline:
+        raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for the "
+                           f"Llama layout; model.arch {shape.arch} does not have it")
+    if shape.num_layers < stages:
+        raise DrScaleError(f"parallel.pipeline_parallel={stages} exceeds model.num_layers="
+                           f"{shape.num_layers}: every stage needs a block")
+
+
 def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
                 checkpoint_every=0, document_mask=False, reset_positions=False, weights=None,
                 dtype=None):
@@ -78,12 +88,6 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor
     real); with tensor_parallel > 1 its grid holds the tensor groups, and each stage's linears
     are split across its group. `weights`: an init_from folder's (HFWeights), or None; `dtype`:
     the training precision the layers are made real in."""
-    if not spec_of(shape.arch).pipeline:
-        raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for the "
-                           f"Llama layout; model.arch {shape.arch} does not have it")
-    if shape.num_layers < stages:
-        raise DrScaleError(f"parallel.pipeline_parallel={stages} exceeds model.num_layers="
-                           f"{shape.num_layers}: every stage needs a block")
     body = model.model
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
                                           num_dp=data_parallel)

@@ -16,6 +16,8 @@
 Every way gives each parameter the same values from the same seed: each tensor draws from a
 generator of its own (models/layers.py initial_value).
 """
+import os
+
 import torch
 from torch import nn
 
@@ -55,9 +57,10 @@ def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = construct(shape)
     initialize(model, shape)
-    # computed buffers (CPU, fp32) go where the partitioned parameters went; the engine moves
-    # buffers of a model built otherwise, but not of a zero.Init one
-    _buffers_to(model, torch.device(get_accelerator().current_device_name()))
+    # computed buffers (CPU, fp32) go where zero.Init put the parameters (its local_device);
+    # the engine moves the buffers of a model built otherwise, but not of a zero.Init one
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    _buffers_to(model, torch.device(get_accelerator().device_name(local_rank)))
     return model
 
 
