@@ -17,8 +17,7 @@ def ema_at(run, step):
     from dr_scale.export.consolidate import run_shape
     from dr_scale.train.checkpoint import load_ema_state
 
-    return load_ema_state(run / "checkpoints" / f"step_{step:08d}",
-                          run_shape(run).tie_embeddings)
+    return load_ema_state(run / "checkpoints" / f"step_{step:08d}", run_shape(run))
 
 
 def weights_at(run, step):

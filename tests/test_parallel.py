@@ -153,6 +153,20 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert_same_weights(weights, reference[4])
 
 
+def test_gpt2_pipeline_2_stages_equals_one_rank(tmp_path, cache_dir):
+    """GPT-2 cut by its own PipelineLayout: learned positions and dropout in the embedding
+    stage, blocks without rotary tables, the head tied to the embedding across the two stages."""
+    gpt2 = ["model.preset=gpt2_tiny", "model.num_layers=2"]
+    ref = run(tmp_path, cache_dir, "gpt2_ref", 1, 1, 2, *gpt2, monitor=False)
+    losses, _, _, ds_norm, weights, _, _ = run(tmp_path, cache_dir, "gpt2_pp2", 1, 2, 2, *gpt2,
+                                               "parallel.pipeline_parallel=2", monitor=False)
+    assert ref[0][-1] < ref[0][0] - 0.3
+    assert losses == pytest.approx(ref[0], rel=1e-5)
+    assert ds_norm == pytest.approx(ref[3], rel=1e-5)
+    assert_same_weights(weights, ref[4])
+    assert "wpe.weight" in weights and "lm_head.weight" in weights  # named back to the model
+
+
 @pytest.mark.parametrize("mode, every, stage, ranks", [("full", 2, 1, 1), ("selective", 1, 1, 1),
                                                       ("full", 1, 3, 2)])
 def test_activation_checkpointing_equals_none(reference, tmp_path, cache_dir, mode, every, stage,

@@ -137,26 +137,18 @@ def _nvme_state(tag_dir: Path):
 
 class PipelineSource(Source):
     """One tensor rank's layer files (`layer_NN-model_MM-model_states.pt`), named back to the
-    model: layer 0 the embedding, 1..L the blocks, L+1 the final norm, L+2 an untied head."""
+    model by its family's PipelineLayout (models/spec.py)."""
 
-    def __init__(self, files: List[Path], num_layers: int):
+    def __init__(self, files: List[Path], num_layers: int, layout):
         self.file_of, self.entries = {}, []
         self.loaded_path, self.loaded = None, None
         for f in sorted(files, key=lambda f: int(re.match(r"layer_(\d+)", f.name).group(1))):
             layer = int(re.match(r"layer_(\d+)", f.name).group(1))
             for key, value in torch.load(f, map_location="cpu", weights_only=True,
                                          mmap=True).items():
-                name = self._name(layer, key, num_layers)
+                name = layout.model_name(layer, key, num_layers)
                 self.file_of[name] = (f, key)
                 self.entries.append((name, tuple(value.shape)))
-
-    @staticmethod
-    def _name(layer, key, L):
-        if layer == 0:
-            return "model.embed_tokens.weight"
-        if layer <= L:
-            return f"model.layers.{layer - 1}.{key.removeprefix('block.')}"
-        return f"model.norm.{key}" if layer == L + 1 else f"lm_head.{key}"
 
     def pieces(self, name):
         path, key = self.file_of[name]

@@ -22,7 +22,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.export.checkpoint_source import (PipelineSource, Source, TensorJoin, WholeSource,
                                                Zero3Source)
 from dr_scale.models import build_model
-from dr_scale.models.build import ModelShape
+from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.train.checkpoint import load_ema_state, saved_topology
 
 
@@ -57,8 +57,7 @@ def _zero0_state(tag_dir: Path, shape: ModelShape) -> dict:
     for group, masters in zip(param_groups(model, 0.0), groups):
         for p, master in zip(group["params"], masters):
             out[name_of[id(p)]] = master.float()
-    if shape.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    out = spec_of(shape.arch).tie_head(out, shape.tie_embeddings)
     return {k: v.float() for k, v in out.items()}
 
 
@@ -75,7 +74,7 @@ def checkpoint_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
         for f in layer_files:
             by_rank.setdefault(int(re.match(r"layer_\d+-model_(\d+)", f.name).group(1)),
                                []).append(f)
-        ranks = [PipelineSource(by_rank[r], shape.num_layers) for r in sorted(by_rank)]
+        ranks = [PipelineSource(by_rank[r], shape.num_layers, spec_of(shape.arch).pipeline) for r in sorted(by_rank)]
     else:
         tensor = saved_topology(tag_dir).tensor
         # DeepSpeed names each tensor rank's files mp_rank_00, mp_rank_01, ...
@@ -92,25 +91,21 @@ def checkpoint_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
 def consolidated_state_dict(ckpt_dir: Path, tag: str, shape: ModelShape) -> dict:
     """One full fp32 state dict (load_state_dict takes it; a tied head under both names)."""
     state = checkpoint_source(ckpt_dir, tag, shape).state_dict()
-    if shape.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
+    return spec_of(shape.arch).tie_head(state, shape.tie_embeddings)
 
 
 def ema_source(tag_dir: Path, shape: ModelShape) -> Source:
     """The EMA weights the ema callback saved (whole in memory: they are saved as per-rank
     slices of every tensor), joined over tensor ranks like the weights."""
     topo = saved_topology(tag_dir)
-    ranks = [WholeSource(load_ema_state(tag_dir, shape.tie_embeddings, r, topo))
+    ranks = [WholeSource(load_ema_state(tag_dir, shape, r, topo))
              for r in range(topo.tensor)]
     return TensorJoin(ranks, _model_shapes(shape), tag_dir)
 
 
 def ema_state_dict(tag_dir: Path, shape: ModelShape) -> dict:
     state = ema_source(tag_dir, shape).state_dict()
-    if shape.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    return state
+    return spec_of(shape.arch).tie_head(state, shape.tie_embeddings)
 
 
 def _model_shapes(shape: ModelShape) -> dict:

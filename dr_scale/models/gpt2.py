@@ -4,7 +4,7 @@ from torch import nn
 
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss
 from dr_scale.models.lm_head import LMHead, fuses_loss
-from dr_scale.models.spec import ModelSpec
+from dr_scale.models.spec import ModelSpec, PipelineLayout
 from dr_scale.registry import MODEL_REGISTRY
 
 
@@ -53,10 +53,14 @@ class GPT2LMHeadModel(nn.Module):
         return self.loss_function(logits, shift_labels=labels)
 
 
+PIPELINE = PipelineLayout(embedding="wte", positions="wpe", dropout="drop", blocks="h",
+                          norm="ln_f")
+
 _GPT2 = dict(arch="gpt2", tie_embeddings=True, norm_eps=1e-5, rope_theta=10000.0)
 
 SPEC = MODEL_REGISTRY.register("gpt2", ModelSpec(
-    arch="gpt2", module=GPT2LMHeadModel, gated_mlp=False,
+    arch="gpt2", module=GPT2LMHeadModel, gated_mlp=False, pipeline=PIPELINE,
+    embedding_weight="wte.weight",
     tp_plan=(
         {"patterns": [r".*\.attn\.[qkv]_proj\.weight$", r".*\.mlp\.fc_in\.weight$"],
          "partition_type": "column"},

@@ -11,7 +11,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss
 from dr_scale.models.lm_head import LMHead, fuses_loss
 from dr_scale.models.rope_scaling import RopeScaling
-from dr_scale.models.spec import HFFormat, ModelSpec
+from dr_scale.models.spec import HFFormat, ModelSpec, PipelineLayout
 from dr_scale.registry import MODEL_REGISTRY
 
 
@@ -121,11 +121,14 @@ def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
         raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
 
 
+PIPELINE = PipelineLayout(embedding="model.embed_tokens", blocks="model.layers",
+                          norm="model.norm", rotary="model.rotary")
+
 _LLAMA = dict(arch="llama", tie_embeddings=False, norm_eps=1e-5, rope_theta=10000.0)
 
 SPEC = MODEL_REGISTRY.register("llama", ModelSpec(
     arch="llama", module=LlamaForCausalLM, gated_mlp=True, rotary=True, tp_plan=TP_PLAN,
-    sequence_parallel=("model.embed_tokens", "lm_head"), pipeline=True,
+    sequence_parallel=("model.embed_tokens", "lm_head"), pipeline=PIPELINE,
     hf=HFFormat("LlamaForCausalLM", "llama", hf_config, shape_from_hf),
     presets={
         # The embedded default: trains on two CPU cores in minutes.

@@ -35,7 +35,7 @@ SPEC = MODEL_REGISTRY.register("qwen2", ModelSpec(
     arch="qwen2", module=Qwen2ForCausalLM, gated_mlp=True, rotary=True,
     # The biases sit on column-parallel projections: AutoTP splits them with their weights.
     tp_plan=llama.TP_PLAN,
-    sequence_parallel=("model.embed_tokens", "lm_head"), pipeline=True,
+    sequence_parallel=("model.embed_tokens", "lm_head"), pipeline=llama.PIPELINE,
     hf=HFFormat("Qwen2ForCausalLM", "qwen2", hf_config, shape_from_hf),
     presets={
         # Tests and quick runs: untied head, 2 KV heads as in the released models.

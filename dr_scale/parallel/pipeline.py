@@ -14,6 +14,7 @@ them).
 Parameter names inside a PipelineModule are its layer indices, not the model's; the export maps
 its per-layer checkpoint files back to the model's names (export/checkpoint_source.py).
 """
+import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -27,19 +28,27 @@ from dr_scale.parallel.tensor import shard_pipeline_layer
 
 
 class EmbeddingStage(nn.Module):
-    """The token embedding; built from the model's own weight (also the tied LM head's). With
-    packed documents kept apart its input is (tokens, document ids, positions), and the ids and
-    positions travel on beside the hidden states (data/documents.py)."""
+    """The token embedding, built from the model's own weight (also the tied LM head's), plus
+    learned positions and dropout where the family has them (GPT-2). With packed documents kept
+    apart its input is (tokens, document ids, positions), and the ids and positions travel on
+    beside the hidden states (data/documents.py)."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, positions: nn.Module = None,
+                 dropout: nn.Module = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.positions, self.dropout = weight, positions, dropout
 
     def forward(self, inputs):
-        if isinstance(inputs, tuple):
-            input_ids, doc_ids, position_ids = inputs
-            return F.embedding(input_ids, self.weight), doc_ids, position_ids
-        return F.embedding(inputs, self.weight)
+        packed = isinstance(inputs, tuple)
+        input_ids, doc_ids, position_ids = inputs if packed else (inputs, None, None)
+        x = F.embedding(input_ids, self.weight)
+        if self.positions is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = x + self.positions(position_ids)
+        if self.dropout is not None:
+            x = self.dropout(x)
+        return (x, doc_ids, position_ids) if packed else x
 
 
 def tied_head(stage: EmbeddingStage, x):
@@ -47,24 +56,27 @@ def tied_head(stage: EmbeddingStage, x):
 
 
 class BlockStage(nn.Module):
-    """One decoder block; the rotary tables are buffers (no parameters), one copy per stage.
-    Given (hidden, document ids, positions) it applies what `mask` and `reset_positions` ask and
-    passes the ids and positions on, except from the last block (the final norm takes hidden
-    states only)."""
+    """One decoder block; the rotary tables, where the family has them, are buffers (no
+    parameters), one copy per stage. Given (hidden, document ids, positions) it applies what
+    `mask` and `reset_positions` ask and passes the ids and positions on, except from the last
+    block (the final norm takes hidden states only)."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module, mask=False, reset_positions=False,
-                 last=False):
+    def __init__(self, block: nn.Module, rotary: nn.Module = None, mask=False,
+                 reset_positions=False, last=False):
         super().__init__()
         self.block, self.rotary = block, rotary
         self.mask, self.reset_positions, self.last = mask, reset_positions, last
 
     def forward(self, inputs):
-        if not isinstance(inputs, tuple):
-            return self.block(inputs, self.rotary(inputs.shape[1]))
-        x, doc_ids, position_ids = inputs
-        rotary = self.rotary(x.shape[1], position_ids if self.reset_positions else None)
-        out = self.block(x, rotary, doc_ids if self.mask else None)
-        return out if self.last else (out, doc_ids, position_ids)
+        packed = isinstance(inputs, tuple)
+        x, doc_ids, position_ids = inputs if packed else (inputs, None, None)
+        mask = doc_ids if self.mask else None
+        if self.rotary is None:
+            out = self.block(x, doc_ids=mask)
+        else:
+            rotary = self.rotary(x.shape[1], position_ids if self.reset_positions else None)
+            out = self.block(x, rotary, mask)
+        return out if self.last or not packed else (out, doc_ids, position_ids)
 
 
 def pipeline_loss(logits, labels):
@@ -74,8 +86,8 @@ def pipeline_loss(logits, labels):
 def pipeline_check(shape, stages: int):
     """The refusals of a pipelined layout, before anything is built (parallelize.check)."""
     if not spec_of(shape.arch).pipeline:
-        raise DrScaleError(f"parallel.pipeline_parallel: pipeline stages are built for the "
-                           f"Llama layout; model.arch {shape.arch} does not have it")
+        raise DrScaleError(f"parallel.pipeline_parallel: model.arch {shape.arch} has no "
+                           f"pipeline layout (its ModelSpec's `pipeline`)")
     if shape.num_layers < stages:
         raise DrScaleError(f"parallel.pipeline_parallel={stages} exceeds model.num_layers="
                            f"{shape.num_layers}: every stage needs a block")
@@ -84,25 +96,28 @@ def pipeline_check(shape, stages: int):
 def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
                 checkpoint_every=0, document_mask=False, reset_positions=False, weights=None,
                 dtype=None):
-    """A PipelineModule over `stages` stages built from `model` (a LlamaForCausalLM, on meta or
-    real); with tensor_parallel > 1 its grid holds the tensor groups, and each stage's linears
-    are split across its group. `weights`: an init_from folder's (HFWeights), or None; `dtype`:
-    the training precision the layers are made real in."""
-    body = model.model
+    """A PipelineModule over `stages` stages built from `model` (on meta or real), cut where its
+    family's PipelineLayout says; with tensor_parallel > 1 its grid holds the tensor groups, and
+    each stage's linears are split across its group. `weights`: an init_from folder's
+    (HFWeights), or None; `dtype`: the training precision the layers are made real in."""
+    where = spec_of(shape.arch).pipeline
+    part = lambda path: None if path is None else model.get_submodule(path)  # noqa: E731
     topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
                                           num_dp=data_parallel)
     ready = _preparer(shape, topo, tensor_parallel, weights, dtype)
+    embedding = EmbeddingStage(part(where.embedding).weight, part(where.positions),
+                               part(where.dropout))
     if shape.tie_embeddings:
-        embedding = EmbeddingStage(body.embed_tokens.weight)
         embed = _BuiltTiedLayer("embed", embedding, ready)
         head = _BuiltTiedLayer("embed", embedding, ready, forward_fn=tied_head)
     else:
-        embed = _BuiltLayer(EmbeddingStage(body.embed_tokens.weight), ready)
+        embed = _BuiltLayer(embedding, ready)
         head = _BuiltLayer(model.lm_head, ready)
-    last = len(body.layers) - 1
-    layers = [embed, *(_BuiltLayer(BlockStage(b, body.rotary, document_mask, reset_positions,
-                                              i == last), ready)
-                       for i, b in enumerate(body.layers)), _BuiltLayer(body.norm, ready), head]
+    blocks, rotary = part(where.blocks), part(where.rotary)
+    layers = [embed, *(_BuiltLayer(BlockStage(b, rotary, document_mask, reset_positions,
+                                              i == len(blocks) - 1), ready)
+                       for i, b in enumerate(blocks)), _BuiltLayer(part(where.norm), ready),
+              head]
     pipe = _PipelineOfBuiltLayers(layers=layers, loss_fn=pipeline_loss, topology=topo,
                                   partition_method="parameters",
                                   activation_checkpoint_interval=checkpoint_every)

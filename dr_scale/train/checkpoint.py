@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dr_scale import ds_config as dsc, nvme_offload
+from dr_scale.models.build import spec_of
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
 from dr_scale.train.universal import repair_zero3_load
@@ -210,7 +211,7 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
     return state, path
 
 
-def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
+def load_ema_state(tag_dir: Path, shape, tensor_rank: int = 0,
                    topology: Optional[Topology] = None) -> dict:
     """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint; under
     tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
@@ -230,7 +231,4 @@ def load_ema_state(tag_dir: Path, tie_embeddings: bool, tensor_rank: int = 0,
     if not states:
         raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
                            "off for this run)")
-    weights = assemble(states)
-    if tie_embeddings and "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return weights
+    return spec_of(shape.arch).tie_head(assemble(states), shape.tie_embeddings)

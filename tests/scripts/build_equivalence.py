@@ -22,7 +22,6 @@ LAYOUTS = {  # ranks, tensor, pipeline, DeepSpeed JSON
     "tp2": (2, 2, 1, "zero3"), "pp2": (2, 1, 2, "zero1"),
 }
 FAMILIES = {"llama": "tiny", "qwen2": "qwen2_tiny", "gpt2": "gpt2_tiny"}
-PIPELINED = ("llama", "qwen2")      # GPT-2 has no pipeline stages yet
 WITH_HF_FORMAT = ("llama", "qwen2")  # nor a transformers format
 VOCAB = 512
 
@@ -172,8 +171,7 @@ def rank_main(rank, port, out, layout):
     deepspeed.init_distributed(dist_backend="gloo")
     topo = Topology(world, tensor, pipeline, rank)
     result = {}
-    families = PIPELINED if pipeline > 1 else tuple(FAMILIES)
-    for family in families:
+    for family in FAMILIES:
         for precision in ("fp32", "bf16"):
             engine, shape, cfg, draws = engine_for(family, precision, topo, ds_name)
             seq = cfg.data.seq_length
