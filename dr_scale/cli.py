@@ -241,7 +241,8 @@ def build_parser():
                     "progress and resume (default: 1/64 of the input within 1-16 MiB; it "
                     "changes no output byte)")
     pp.set_defaults(fn=cmd_preprocess)
-    ex = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama folder")
+    ex = sub.add_parser("export", help="write a run's checkpoint as a transformers folder "
+                        "(LlamaForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel)")
     ex.add_argument("--run_dir", required=True)
     ex.add_argument("--out", required=True)
     ex.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")

@@ -122,6 +122,41 @@ def test_import_of_a_sharded_transformers_llama3_matches_its_logits(tmp_path):
 
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_exports_as_transformers_gpt2_and_imports_back(tmp_path, tied):
+    """GPT-2 through its state-dict adapter: q/k/v fused into c_attn, Conv1D's transposed
+    matrices, `transformer.` names; transformers' GPT2LMHeadModel computes our logits, and the
+    folder read back (model.init_from's path) gives our tensors bit for bit."""
+    from transformers import GPT2LMHeadModel
+
+    from dr_scale.config import load_config
+    from dr_scale.export.checkpoint_source import WholeSource
+    from dr_scale.export.hf import load_into, read_folder, write_config, write_weights
+    from dr_scale.kernels import ops
+    from dr_scale.models import build_model, resolve_shape
+
+    ops.use_kernels("cpu", torch.float32, {})
+    cfg = load_config(None, ["model.preset=gpt2_tiny", f"model.tie_embeddings={str(tied).lower()}",
+                             "model.vocab_size=512"])
+    shape = resolve_shape(cfg.model)
+    torch.manual_seed(0)
+    ours = build_model(shape).eval()
+    out = tmp_path / "hf"
+    write_config(out, shape, eod_id=0)
+    write_weights(out, WholeSource(ours.state_dict()), shape)
+    hf = GPT2LMHeadModel.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max().item() < 1e-5
+    fields, weights = read_folder(out)
+    assert fields["arch"] == "gpt2" and fields["tie_embeddings"] == tied
+    torch.manual_seed(5)
+    back = build_model(shape)
+    load_into(back, weights, str(out))
+    for (name, a), b in zip(back.state_dict().items(), ours.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("layout", [[], ["parallel.tensor_parallel=2"]], ids=["dp2", "tp2"])
 def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_dir, tmp_path,
                                                              layout):

@@ -2,7 +2,7 @@
 export`, then `dr-scale eval`: transformers' loss on the run's own held-out samples equals the
 run's last eval_loss within 1% (relative). It guards the export's names and layouts; the
 position tables themselves are compared by tests/test_build_equivalence.py (a small model's
-loss hardly uses fine positions). GPT-2 joins once it has a transformers format."""
+loss hardly uses fine positions)."""
 import json
 import subprocess
 import sys
@@ -22,6 +22,9 @@ LAYOUTS = {
     "zero1-qwen2": ["--ds_config", "zero1", "model.preset=qwen2_tiny"],
     "tp2-llama-untied": ["--ds_config", "zero1", "model.preset=tiny",
                          "model.tie_embeddings=false", "parallel.tensor_parallel=2"],
+    # GPT-2 (as many key/value heads as query heads) from its pipeline stages' layer files
+    "pp2-gpt2": ["--ds_config", "zero1", "model.preset=gpt2_tiny", "model.num_kv_heads=4",
+                 "parallel.pipeline_parallel=2"],
 }
 
 
@@ -33,7 +36,7 @@ def dr_scale(*args):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_export_scored_by_transformers_equals_the_runs_eval_loss(layout, cache_dir, tmp_path):
     run, hf = tmp_path / "run", tmp_path / "hf"
-    launch([*LAYOUTS[layout], "--run_dir", run, *NARROW], 2, cache_dir)
+    launch(["--run_dir", run, *NARROW, *LAYOUTS[layout]], 2, cache_dir)
     exported = dr_scale("export", "--run_dir", run, "--out", hf)
     assert exported.returncode == 0, exported.stderr[-2000:]
     scored = dr_scale("eval", "--hf", hf, "--run_dir", run, "--json", "--max_rel_diff", "0.01")

@@ -1,7 +1,10 @@
 """Hugging Face folders <-> our decoders, for every family whose ModelSpec has an `hf` format.
 
-Our parameter names are the transformers architecture's, so weights copy across unchanged; only
-the config is translated (by the family's own functions, in its model file).
+Llama and Qwen2 parameter names are the transformers architecture's, so their weights copy
+across unchanged and only the config is translated (by the family's own functions, in its model
+file). Where names or layouts differ (GPT-2: fused q/k/v, Conv1D's transposed matrices), the
+family's `HFFormat.tensors` says how each of their tensors is made from ours and back; export
+streams the copied ones and joins the others a tensor at a time.
 """
 import json
 from pathlib import Path
@@ -11,7 +14,7 @@ import torch
 from dr_scale.data.tokenizer import tokenizer_file_in
 from dr_scale.errors import DrScaleError
 from dr_scale.export.safetensors_folder import HFWeights, write_shards
-from dr_scale.models.build import ModelShape, spec_of
+from dr_scale.models.build import ModelShape, build_model, spec_of
 from dr_scale.registry import MODEL_REGISTRY
 
 CONFIG_FILE = "config.json"
@@ -48,10 +51,77 @@ def write_folder(out: Path, source, shape: ModelShape, tokenizer, dtype=torch.fl
     time, in shards of at most `max_shard_bytes`; a tied head stored once) and the run's
     tokenizer (a data.tokenizer.load_tokenizer object)."""
     write_config(out, shape, tokenizer.eod_id, dtype)
-    entries = [(n, s) for n, s in source.entries
-               if not (shape.tie_embeddings and n == "lm_head.weight")]
-    write_shards(out, entries, source.pieces, dtype, max_shard_bytes, progress)
+    write_weights(out, source, shape, dtype, max_shard_bytes, progress)
     write_tokenizer(out, tokenizer)
+
+
+def write_weights(out: Path, source, shape: ModelShape, dtype=torch.float32,
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None):
+    """The weights of `source` under transformers' names and layouts (a tied head once)."""
+    tensors = spec_of(shape.arch).hf.tensors
+    if tensors is None:  # the same names and layouts: streamed as they are
+        entries = [(n, s) for n, s in source.entries
+                   if not (shape.tie_embeddings and n == "lm_head.weight")]
+        write_shards(out, entries, source.pieces, dtype, max_shard_bytes, progress)
+        return
+    theirs = {t.name: t for t in tensors(shape)}
+
+    def pieces(name):
+        t = theirs[name]
+        if t.join is None:
+            yield from source.pieces(t.ours[0])
+        else:
+            yield t.join([source.tensor(n) for n in t.ours]).reshape(-1)
+    write_shards(out, [(t.name, t.shape) for t in theirs.values()], pieces, dtype,
+                 max_shard_bytes, progress)
+
+
+class AdaptedWeights:
+    """A folder's tensors under our names and layouts (what HFWeights offers: `shapes`,
+    `read`), made from theirs by the family's `HFFormat.tensors`; a tensor of ours that comes
+    from a joined one of theirs is made whole, then cut where a slice is asked for."""
+
+    def __init__(self, weights: HFWeights, tensors, our_shapes: dict):
+        self.weights, self.folder = weights, weights.folder
+        self.made_from, self.shapes = {}, {}
+        for t in tensors:
+            if t.name not in weights.shapes:
+                continue  # missing: the model's check names what it lacks
+            if weights.shapes[t.name] != t.shape:
+                raise DrScaleError(f"{weights.file_of[t.name]}: {t.name} has shape "
+                                   f"{weights.shapes[t.name]}, config.json makes it {t.shape}")
+            for i, ours in enumerate(t.ours):
+                self.made_from[ours] = (t, i)
+                self.shapes[ours] = our_shapes[ours]
+        unknown = sorted(set(weights.shapes) - {t.name for t in tensors})
+        if unknown:
+            raise DrScaleError(f"{self.folder}: weights do not fit the model (unexpected: "
+                               f"{', '.join(unknown[:3])})")
+
+    def read(self, name: str, start: int = 0, end: int = None) -> torch.Tensor:
+        t, i = self.made_from[name]
+        if t.split is None:
+            return self.weights.read(t.name, start, end)
+        whole = t.split(self.weights.read(t.name))[i].contiguous()
+        return whole if end is None and start == 0 else whole.reshape(-1)[start:end]
+
+
+def open_weights(folder, shape_fields: dict):
+    """The folder's weights under our names: as they are, or through the family's adapter."""
+    weights = HFWeights(folder)
+    tensors = spec_of(shape_fields["arch"]).hf.tensors
+    if tensors is None:
+        return weights
+    shape = ModelShape(**_complete(shape_fields))
+    ours = {n: tuple(t.shape) for n, t in build_model(shape, "meta").state_dict().items()}
+    return AdaptedWeights(weights, tensors(shape), ours)
+
+
+def _complete(fields: dict) -> dict:
+    """A folder's model fields with the shape's remaining ones from the family's first preset
+    (what its tensors' names and shapes do not depend on)."""
+    preset = next(iter(spec_of(fields["arch"]).presets.values()))
+    return {**preset, **{k: v for k, v in fields.items() if v is not None}}
 
 
 def write_config(out: Path, shape: ModelShape, eod_id: int, dtype=torch.float32):
@@ -95,7 +165,7 @@ def read_folder(folder) -> tuple:
     except json.JSONDecodeError as e:
         raise DrScaleError(f"{cfg_path}: JSON syntax error at line {e.lineno}: {e.msg}") from None
     fields = shape_from_hf(config, str(cfg_path))
-    return fields, HFWeights(folder)
+    return fields, open_weights(folder, fields)
 
 
 def apply_init_from(cfg):

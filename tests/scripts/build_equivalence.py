@@ -22,7 +22,6 @@ LAYOUTS = {  # ranks, tensor, pipeline, DeepSpeed JSON
     "tp2": (2, 2, 1, "zero3"), "pp2": (2, 1, 2, "zero1"),
 }
 FAMILIES = {"llama": "tiny", "qwen2": "qwen2_tiny", "gpt2": "gpt2_tiny"}
-WITH_HF_FORMAT = ("llama", "qwen2")  # nor a transformers format
 VOCAB = 512
 
 
@@ -147,16 +146,12 @@ def compare(engine, reference, logits, ref_logits) -> dict:
 
 def write_hf_folder(model, shape, folder: Path):
     """A transformers folder of `model` (config.json + safetensors), as `dr-scale export`
-    writes one."""
-    from safetensors.torch import save_file
+    writes one (under transformers' names and layouts)."""
+    from dr_scale.export.checkpoint_source import WholeSource
+    from dr_scale.export.hf import write_config, write_weights
 
-    from dr_scale.export.hf import write_config
-
-    folder.mkdir(parents=True, exist_ok=True)
     write_config(folder, shape, eod_id=0)
-    state = {k: v.float().contiguous() for k, v in model.state_dict().items()
-             if not (shape.tie_embeddings and k == "lm_head.weight")}
-    save_file(state, str(folder / "model.safetensors"))
+    write_weights(folder, WholeSource(model.state_dict()), shape)
 
 
 def rank_main(rank, port, out, layout):
@@ -182,7 +177,7 @@ def rank_main(rank, port, out, layout):
             logits = engine_logits(engine, tokens, tensor)
             case = f"{family}/{precision}"
             result[case] = {**compare(engine, reference, logits, ref_logits), "draws": draws}
-            if layout == "zero3x1" and family in WITH_HF_FORMAT:
+            if layout == "zero3x1":
                 folder = Path(f"{out}.hf.{family}.{precision}")
                 write_hf_folder(plain_model(shape, "fp32", cfg.train.seed), shape, folder)
                 loaded, _, _, draws = engine_for(family, precision, topo, ds_name,
