@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from dr_scale.models.layers import GeluMLP, LayerNorm, SelfAttention, causal_lm_loss
-from dr_scale.models.lm_head import LMHead, fuses_loss
+from dr_scale.models.lm_head import LMHead, logits_or_loss
 from dr_scale.errors import DrScaleError
 from dr_scale.models.spec import HFFormat, HFTensor, ModelSpec, PipelineLayout
 from dr_scale.registry import MODEL_REGISTRY
@@ -46,12 +46,7 @@ class GPT2LMHeadModel(nn.Module):
         for block in self.h:
             x = block(x, doc_ids)
         x = self.ln_f(x)
-        if labels is not None and fuses_loss(self.lm_head):
-            return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
-        logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
-        if labels is None:
-            return logits
-        return self.loss_function(logits, shift_labels=labels)
+        return logits_or_loss(self, x, labels)
 
 
 def hf_config(shape, eod_id: int) -> dict:

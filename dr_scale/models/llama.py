@@ -9,7 +9,7 @@ from torch import nn
 
 from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import RMSNorm, Rotary, SelfAttention, SwiGLU, causal_lm_loss
-from dr_scale.models.lm_head import LMHead, fuses_loss
+from dr_scale.models.lm_head import LMHead, logits_or_loss
 from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import HFFormat, ModelSpec, PipelineLayout
 from dr_scale.registry import MODEL_REGISTRY
@@ -39,7 +39,7 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    qkv_bias = False  # Qwen2 differs here
+    qkv_bias = False  # biases on the q, k, v projections (a subclass may want them)
 
     def __init__(self, shape):
         super().__init__()
@@ -60,12 +60,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rotary, doc_ids)
         x = self.model.norm(x)
-        if labels is not None and fuses_loss(self.lm_head):
-            return self.lm_head(x, labels)  # never whole logits (models/lm_head.py)
-        logits = self.lm_head(x)  # also under tensor parallelism: a vocabulary slice
-        if labels is None:
-            return logits
-        return self.loss_function(logits, shift_labels=labels)
+        return logits_or_loss(self, x, labels)
 
 
 # Megatron-style: column-parallel where the block fans out, row-parallel where it writes back
@@ -97,8 +92,16 @@ def hf_config(shape, eod_id: int, architecture="LlamaForCausalLM", model_type="l
     }
 
 
-def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
-    """Model fields (for the `model:` config section) from a Hugging Face config.json."""
+def shape_from_hf(config: dict, source: str) -> dict:
+    """Model fields (for the `model:` config section) from a Hugging Face Llama config.json."""
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise DrScaleError(f"{source}: attention or MLP biases are not supported")
+    return decoder_fields(config, source, "llama")
+
+
+def decoder_fields(config: dict, source: str, arch: str) -> dict:
+    """The fields of a Llama-layout config.json (rotary, RMSNorm, gated MLP, grouped-query
+    attention) for the family `arch`."""
     try:
         theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0)
@@ -107,8 +110,6 @@ def shape_from_hf(config: dict, source: str, arch: str = "llama") -> dict:
         heads = config["num_attention_heads"]
         if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
             raise DrScaleError(f"{source}: head_dim x heads != hidden_size is not supported")
-        if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
-            raise DrScaleError(f"{source}: attention or MLP biases are not supported")
         return dict(arch=arch, hidden_size=config["hidden_size"],
                     num_layers=config["num_hidden_layers"], num_heads=heads,
                     num_kv_heads=config.get("num_key_value_heads", heads),

@@ -135,6 +135,18 @@ def fuses_loss(head) -> bool:
     return getattr(head, "dr_loss_chunk", 0) > 0
 
 
+def logits_or_loss(model, x, labels=None):
+    """The tail every family's forward shares: the head's logits (under tensor parallelism a
+    vocabulary slice), or with labels the mean cross-entropy: fused with the head where it fuses
+    (never whole logits), else the model's `loss_function` on the logits."""
+    if labels is not None and fuses_loss(model.lm_head):
+        return model.lm_head(x, labels)
+    logits = model.lm_head(x)
+    if labels is None:
+        return logits
+    return model.loss_function(logits, shift_labels=labels)
+
+
 def fuse_vocab_parallel_head(head, chunk: int, input_grads_summed: bool = False):
     """Make DeepSpeed's vocabulary-parallel head (a column-parallel slice of the vocabulary)
     compute the fused chunked loss when given labels: no rank then holds its logits slice for

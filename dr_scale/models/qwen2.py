@@ -26,7 +26,7 @@ def shape_from_hf(config: dict, source: str) -> dict:
     if config.get("use_sliding_window"):
         raise DrScaleError(f"{source}: use_sliding_window=true is not supported (full causal "
                            "attention only); set it to false if the window covers the context")
-    return llama.shape_from_hf(config, source, arch="qwen2")
+    return llama.decoder_fields(config, source, "qwen2")
 
 
 _QWEN2 = dict(arch="qwen2", norm_eps=1e-6, rope_theta=1000000.0)
