@@ -172,6 +172,13 @@ def tensor_ranks(tag_dir: Path) -> list:
                    if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
+def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
+    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
+    family = "zero3" if target_stage == 3 else "zero12"
+    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
+                                           else family)
+
+
 def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
          target_stage: int = 0):
     """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
@@ -181,8 +188,6 @@ def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
     rank = dist.get_rank()
     tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    from dr_scale.train.reshard import universal_dir
-
     load_dir = (universal_dir(ckpt_dir, target_stage, dist.get_world_size())
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)

@@ -20,7 +20,7 @@ from typing import Optional
 from dr_scale import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
-                                       saved_sub_group_size, saved_zero_family)
+                                       saved_sub_group_size, saved_zero_family, universal_dir)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
 
@@ -101,13 +101,6 @@ def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
             f"universal checkpoint, which it cannot load into optimizer state on NVMe "
             f"(offload_optimizer.device=nvme: the swapped sub-groups are not in memory to fill); "
             f"resume it on {written} rank(s), or without NVMe offload, or {way_out}")
-
-
-def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
-    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
-    family = "zero3" if target_stage == 3 else "zero12"
-    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
-                                           else family)
 
 
 def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int) -> bool:
