@@ -47,7 +47,7 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
     engine = initialize_engine(build_for_run(shape, ds, topo), ds, cfg.train, None,
                                run / "ds_config.json")
-    checkpoint.load(engine, run / "checkpoints", expected_model={})
+    checkpoint.load(engine, run / "checkpoints", expected_model=shape.weights_signature())
     tag = checkpoint.find_tag(run / "checkpoints")
     plain = build_model(shape).eval()
     plain.load_state_dict(consolidated_state_dict(run / "checkpoints", tag, shape))
