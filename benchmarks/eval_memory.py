@@ -69,7 +69,6 @@ def main(argv=None):
                      "loss_chunk_tokens": shape.loss_chunk, "train_peak_mib": round(train_mib),
                      "eval_peak_mib": round(eval_mib), "eval_over_train": round(eval_mib / train_mib, 3)})
         print(rows[-1], flush=True)
-        del model
     title = (f"# Evaluation against training peak memory, {a.preset} (vocabulary {a.vocab_size}),"
              f" {a.micro_batch} x {a.seq_length} tokens, fp32, {device} ({cpu_model()})")
     write_results(a.out, rows, title, [("LM head", "head"), ("chunk", "loss_chunk_tokens"),

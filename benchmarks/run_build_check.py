@@ -33,7 +33,7 @@ def main(argv=None):
     from dr_scale.models import build_model
     from dr_scale.parallel.sharded_build import build_for_run
     from dr_scale.parallel.topology import Topology
-    from dr_scale.run_setup import select_kernels
+    from dr_scale.models.kernel_choice import select_kernels
     from dr_scale.train import checkpoint
     from dr_scale.train.engine import initialize_engine
 

@@ -1,159 +1,95 @@
 """`deepspeed launchers/pretrain.py --ds_config zero3.json [--config Y] [--run_dir D] [--resume]
 [dotted.key=value ...]` (or `deepspeed --module dr_scale.launch ...` from an installed copy).
 
-The run, as named steps: config -> topology -> data -> model -> parallelize -> engine -> trainer.
-Everything a config can get wrong is checked before the process group starts.
+The run is a plan, then steps: check (dr_scale/plan.py: everything a config can get wrong,
+before any process group) -> start_group -> prepare_data -> build -> parallelize -> engine ->
+trainer. Each step takes the plan and adds what needs ranks.
 """
 import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
-from dr_scale import comm, nvme_offload, op_builds
+from dr_scale import comm, nvme_offload
 from dr_scale import ds_config as dsc
-from dr_scale.callbacks.build import build_callbacks
-from dr_scale.data.documents import DocumentBoundaries
-from dr_scale.data.loader import dataset_types
-from dr_scale.distributed import close_distributed, init_distributed, world_size_from_env
+from dr_scale.config.arguments import parse_args
+from dr_scale.data.prepare import prepare_data
+from dr_scale.distributed import close_distributed
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
                              TrainingStopped)
 from dr_scale.export.hf import load_into
-from dr_scale.hardware import bf16_support
-from dr_scale.models import resolve_shape
-from dr_scale.parallel import memory_guard
-from dr_scale.parallel import parallelize as par
+from dr_scale.models.build import with_tokenizer_vocab
+from dr_scale.models.kernel_choice import select_kernels
+from dr_scale.parallel.parallelize import parallelize
 from dr_scale.parallel.sharded_build import build_for_run
-from dr_scale.parallel.topology import Topology
-from dr_scale.run_setup import (StartLine, choose_run_dir, load_run_config, parse_args,
-                                plan_resume, prepare_data, reshard_before_group, run_facts,
-                                select_kernels,
-                                settle_resume, write_run_snapshot)
+from dr_scale.plan import RunPlan, check, start_group
+from dr_scale.train import hangs, host_memory
 from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.plot import plot_curves
 from dr_scale.train.schedule import build_scheduler
-from dr_scale.train import hangs, host_memory
+from dr_scale.train.start import run_facts, start_lines, write_run_snapshot
 from dr_scale.train.trainer import Trainer
 
 
-def check_config(args):
-    """Step 1, before any process group or build: the experiment config, the DeepSpeed JSON and
-    every refusal of the parallel layout, against the world the launcher announced."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # one machine's folder: one rank says it
-        for line in op_builds.lock_warnings():
-            say(f"dr_scale: warning: {line}")
-    fresh_over_old = settle_resume(args)
-    cfg, run_dir, init_state = load_run_config(args)
-    ds_path = dsc.resolve_path(args.ds_config)
-    raw_ds = dsc.read_json(ds_path)
-    topo = Topology.from_config(world_size_from_env(), cfg.parallel)
-    early_shape = resolve_shape(cfg.model)  # unknown preset, indivisible heads, attention name
-    par.check(early_shape, topo, cfg, raw_ds, ds_path)
-    nvme_offload.check_system(dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path)), str(ds_path))
-    build_callbacks(cfg.callbacks, topo.pipeline)
-    dataset_types(cfg.data)
-    if not args.skip_memory_check:  # before any rank allocates the model
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path),
-                      bf16_native=bf16_support(device_type).native, device_type=device_type)
-        memory_guard.check(cfg, ds, topo.world, device_type, str(ds_path))
-    if args.resume:
-        reshard_before_group(run_dir.resolve(), topo, raw_ds, cfg.train.collective_timeout_s)
-    return cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old
-
-
-def run(args):
-    cfg, run_dir, init_state, ds_path, raw_ds, fresh_over_old = check_config(args)  # config
-    hangs.configure(cfg.train.collective_timeout_s)
-    device, local_world = init_distributed(cfg.train.collective_timeout_s)
-    topo = Topology.from_config(dist.get_world_size(), cfg.parallel, dist.get_rank())  # topology
-    run_dir = choose_run_dir(run_dir, cfg, args.resume)
-    bf16 = bf16_support(device.type)
-    ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
-                  device_type=device.type, run_dir=run_dir)
-    precision = dsc.precision(ds)
-    check_precision(ds, precision, ds_path)
-    offload_note = nvme_offload.prepare_dirs(ds, str(ds_path))
-    if "offload_param" in nvme_offload.nvme_sections(ds):
+def run(plan: RunPlan):
+    group = start_group(plan)                                                         # ranks
+    check_precision(group.ds, plan.precision, plan.ds_path)
+    offload_note = nvme_offload.prepare_dirs(group.ds, str(plan.ds_path))
+    if "offload_param" in nvme_offload.nvme_sections(group.ds):
         nvme_offload.swap_in_each_parameter_once()
-    layout = dsc.batch_layout(cfg.train, topo.data)
-    resume_step, resume_at, resume_plan = None, (0, 0), None
-    if args.resume:
-        resume_step, consumed, resume_plan = plan_resume(run_dir / "checkpoints", topo, ds)
-        resume_at = (resume_step, consumed)
-        if resume_plan == "universal":
-            ds = dict(ds, checkpoint=dict(ds.get("checkpoint", {}), load_universal=True))
-    callbacks = build_callbacks(cfg.callbacks, topo.pipeline)
-
-    sources = prepare_data(cfg, layout, run_dir if args.resume else None, resume_at)  # data
-    shape = resolve_shape(cfg.model, sources.tokenizer.vocab_size)                  # model
-    shape = shape.settle_loss_chunk(cfg.train.micro_batch_size * cfg.data.seq_length,
-                                    topo.head_slices(cfg.parallel.vocab_parallel))
-    if cfg.data.seq_length > shape.max_seq_length:
-        raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
-                           f"model.max_seq_length={shape.max_seq_length}")
-    cfg.freeze()
-    shape, kernels_line = select_kernels(shape, cfg, device.type, precision, topo)
-    torch.manual_seed(cfg.train.seed)
-    if cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
+    resume = plan.resume
+    sources = prepare_data(plan.cfg, group.layout, group.run_dir if resume else None,  # data
+                           (resume.step, resume.consumed_samples) if resume else (0, 0))
+    shape = with_tokenizer_vocab(plan.shape, plan.cfg, sources.tokenizer.vocab_size,  # model
+                                 group.topology)
+    shape, kernels_line = select_kernels(shape, plan.cfg, group.device.type, plan.precision,
+                                         group.topology)
+    torch.manual_seed(plan.cfg.train.seed)
+    if plan.cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
         host_memory.give_large_blocks_pages_of_their_own()
-    model = build_for_run(shape, ds, topo)  # ZeRO-3: sharded as built; TP or PP: on meta
-    initial = None if args.resume else init_state  # on resume the checkpoint's weights win
+    model = build_for_run(shape, group.ds, group.topology)  # ZeRO-3: sharded; TP or PP: on meta
+    initial = None if resume else plan.init_weights  # on resume the checkpoint's weights win
     if initial is not None:
-        load_into(model, initial, cfg.model.init_from)  # on meta: checked only
-    facts = run_facts(model, shape, cfg, precision, device, layout, topo)
-    parallel = par.parallelize(model, shape, topo, cfg, ds, ds_path, initial)      # parallelize
-    del init_state, initial
-
-    if topo.rank == 0:
-        write_run_snapshot(run_dir, args.resume, cfg, parallel.ds, topo, local_world, device,
-                           shape, facts, sources, layout)
+        load_into(model, initial, plan.cfg.model.init_from)  # on meta: checked only
+    facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.layout,
+                      group.topology)
+    parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds, plan.ds_path,  # par
+                           initial)
+    if group.topology.rank == 0:
+        write_run_snapshot(plan, group, parallel.ds, shape, facts, sources)
     comm.barrier()
     # a fresh start in a run folder that never saved: all its earlier records are set aside
-    logger = MetricsLogger(run_dir, cfg.logging, cfg.train.max_steps, enabled=topo.rank == 0,
-                           run_name=run_dir.name,
-                           resume_step=-1 if fresh_over_old else resume_step)
-    start = StartLine(topo, local_world, device, ds, raw_ds, bf16, ds_path, cfg, shape, facts,
-                      layout, run_dir, kernels_line,
-                      DocumentBoundaries.of(cfg.data, sources.tokenizer))
-    memory_note = None
-    if cfg.train.release_host_memory:
-        memory_note = ("freed host memory returned to the OS after each backward, tensors "
-                       f"from {host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of "
-                       "their own" if
-                       host_memory.can_release() else "train.release_host_memory does nothing "
-                       "here: the C library is not glibc (no malloc_trim)")
-    for line in [*start.lines(), *([f"offload: {offload_note}"] if offload_note else []),
-                 *([f"memory: {memory_note}"] if memory_note else []),
-                 *(f"warning: {w}" for w in sources.warnings)]:
+    logger = MetricsLogger(group.run_dir, plan.cfg.logging, plan.cfg.train.max_steps,
+                           enabled=group.topology.rank == 0, run_name=group.run_dir.name,
+                           resume_step=-1 if plan.fresh_over_old else resume and resume.step)
+    for line in start_lines(plan, group, shape, facts, kernels_line, sources, offload_note):
         logger.info(line)
-
-    scheduler = None if "scheduler" in ds else (lambda opt: build_scheduler(opt, cfg.train))
-    engine = initialize_engine(parallel.model, parallel.ds, cfg.train, scheduler, ds_path,  # engine
-                               parallel.mpu)
+    scheduler = None if "scheduler" in group.ds else \
+        (lambda opt: build_scheduler(opt, plan.cfg.train))
+    engine = initialize_engine(parallel.model, parallel.ds, plan.cfg.train, scheduler,  # engine
+                               plan.ds_path, parallel.mpu)
     parallel.after_engine(engine)
-    trainer = Trainer(engine, cfg, sources, layout, topo, run_dir, logger, facts,    # trainer
-                      device, callbacks, stop_at_step=args.stop_at_step,
-                      resume_plan=resume_plan)
-    if args.resume:
+    trainer = Trainer(engine, plan.cfg, sources, group.layout, group.topology,        # trainer
+                      group.run_dir, logger, facts, group.device, plan.callbacks,
+                      stop_at_step=plan.stop_at_step, resume_plan=resume and resume.mode)
+    if resume:
         trainer.resume()
     try:
         trainer.fit()
     finally:
         logger.close()
-    if topo.rank == 0 and cfg.logging.plot:
-        logger.info(f"wrote {plot_curves(run_dir)}")
+    if group.topology.rank == 0 and plan.cfg.logging.plot:
+        logger.info(f"wrote {plot_curves(group.run_dir)}")
     close_distributed()
-    return run_dir
+    return group.run_dir
 
 
 def main(argv=None):
     args = None
     try:
         args = parse_args(argv)
-        run(args)
+        run(check(args))
         code = 0
     except TrainingStopped as e:
         if os.environ.get("RANK", "0") == "0":

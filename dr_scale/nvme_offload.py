@@ -41,12 +41,13 @@ def optimizer_on_nvme(ds: Dict) -> bool:
     return "offload_optimizer" in nvme_sections(ds)
 
 
-def fill_paths(ds: Dict, run_dir: Optional[Path]) -> None:
-    """`"nvme_path": "auto"` -> <run folder>/offload (in place). Before the run folder is chosen
-    (the config check) the placeholder only has to stop being "auto"."""
+def fill_paths(ds: Dict, run_dir: Optional[Path], raw: Optional[Dict] = None) -> None:
+    """`"nvme_path": "auto"` (as `raw` says, default `ds`) -> <run folder>/offload, in place.
+    Before the run folder is chosen (the plan) a placeholder stands for it."""
     for section in nvme_sections(ds):
         conf = ds["zero_optimization"][section]
-        if conf.get("nvme_path", "auto") == "auto":
+        asked = ((raw or ds).get("zero_optimization", {}).get(section) or {})
+        if asked.get("nvme_path", "auto") == "auto":
             conf["nvme_path"] = str(Path(run_dir or "<run folder>") / "offload")
 
 

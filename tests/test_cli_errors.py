@@ -182,7 +182,7 @@ def test_deepspeed_config_without_optimizer_trains_with_torch_adamw(cache_dir, t
 
 def test_resume_forms_on_the_command_line():
     from dr_scale.errors import DrScaleError
-    from dr_scale.run_setup import parse_args
+    from dr_scale.config.arguments import parse_args
 
     a = parse_args(["--ds_config", "zero3", "--resume", "model.num_layers=2"])
     assert a.resume == "latest" and a.overrides == ["model.num_layers=2"]  # not swallowed
@@ -199,7 +199,7 @@ def test_overrides_may_sit_between_the_options():
     the console script alike; what is neither an option nor key=value is still one line."""
     from dr_scale.cli import build_parser, parse
     from dr_scale.errors import DrScaleError
-    from dr_scale.run_setup import parse_args
+    from dr_scale.config.arguments import parse_args
 
     a = parse_args(["--ds_config", "zero3", "model.preset=tiny", "--run_dir", "d", "x.y=1",
                     "--resume", "auto", "z=2"])

@@ -109,12 +109,7 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
         if v is not None and f.name != "vocab_size":
             values[f.name] = v
     if tokenizer_vocab is not None:
-        padded = pad_vocab(tokenizer_vocab, model_cfg.pad_vocab_multiple)
-        if model_cfg.vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab:
-            raise DrScaleError(
-                f"{source}.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                f"vocabulary ({tokenizer_vocab}); token ids would fall outside the embedding")
-        values["vocab_size"] = model_cfg.vocab_size or padded
+        values["vocab_size"] = vocab_for(model_cfg, tokenizer_vocab, source)
     elif model_cfg.vocab_size is not None:
         values["vocab_size"] = model_cfg.vocab_size
     shape = ModelShape(**values)
@@ -133,6 +128,24 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
         except DrScaleError as e:
             raise DrScaleError(f"{source}.attention: {e}") from None
     return shape
+
+
+def vocab_for(model_cfg, tokenizer_vocab: int, source="model") -> int:
+    """The embedding's rows for a tokenizer: model.vocab_size where set (at least the
+    tokenizer's), else the tokenizer's padded to model.pad_vocab_multiple."""
+    if model_cfg.vocab_size is not None and model_cfg.vocab_size < tokenizer_vocab:
+        raise DrScaleError(
+            f"{source}.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer_vocab}); token ids would fall outside the embedding")
+    return model_cfg.vocab_size or pad_vocab(tokenizer_vocab, model_cfg.pad_vocab_multiple)
+
+
+def with_tokenizer_vocab(shape: ModelShape, cfg, tokenizer_vocab: int, topo) -> ModelShape:
+    """A run's shape once its tokenizer is known (the data step): the vocabulary settled, and
+    the fused head's chunk for this rank's micro-batch and vocabulary slice."""
+    shape = dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, tokenizer_vocab))
+    return shape.settle_loss_chunk(cfg.train.micro_batch_size * cfg.data.seq_length,
+                                   topo.head_slices(cfg.parallel.vocab_parallel))
 
 
 def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:

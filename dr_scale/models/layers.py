@@ -87,7 +87,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=bias if out_bias is None else out_bias)
-        # `auto` is settled at start (run_setup.select_kernels) from the same table
+        # `auto` is settled at start (models/kernel_choice.py) from the same table
         self.attend = None if shape.attention == "auto" else implementation("attention",
                                                                             shape.attention)
         self.dropout = shape.dropout
@@ -106,7 +106,7 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         if self.attend is None:
-            raise DrScaleError("model.attention=auto: settle it (run_setup.select_kernels) "
+            raise DrScaleError("model.attention=auto: settle it (models/kernel_choice.py) "
                                "before building a model to run")
         # doc_ids only when given: an attention kernel registered elsewhere need not take them
         extra = {} if doc_ids is None else {"doc_ids": doc_ids}

@@ -52,6 +52,7 @@ under tensor or pipeline parallelism a rank makes real only its slices of its st
 rank builds the whole model in fp32 first. `startup_peak` is that
 moment (runtime included), `peak` the larger of the two: what the rank needs.
 """
+import dataclasses
 import functools
 import math
 from dataclasses import asdict, dataclass
@@ -312,18 +313,23 @@ def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1,
 
 
 def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
-                     vocab: int = None, **changes) -> MemoryEstimate:
-    """From a loaded RunConfig and DeepSpeed config dict; `vocab` the run's vocabulary when the
-    caller knows it (else the preset's, or the named tokenizer's); `changes` override estimate()'s
-    arguments (what-if: zero_stage=3, checkpointing="full", world=16, offload_optimizer="cpu")."""
+                     vocab: int = None, shape=None, **changes) -> MemoryEstimate:
+    """From a loaded RunConfig and DeepSpeed config dict; `vocab` the run's tokenizer's
+    vocabulary when the caller knows it (else the named tokenizer's, or the preset's); `shape`
+    the config's resolved shape where the caller has it (the plan); `changes` override
+    estimate()'s arguments (what-if: zero_stage=3, checkpointing="full", world=16,
+    offload_optimizer="cpu")."""
     from dr_scale import ds_config as dsc
-    from dr_scale.models import resolve_shape
+    from dr_scale.models.build import resolve_shape, vocab_for
 
     if vocab is None and cfg.model.vocab_size is None and cfg.data.tokenizer:
         from dr_scale.data.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
-    shape = resolve_shape(cfg.model, vocab)
+    if shape is None:
+        shape = resolve_shape(cfg.model, vocab)
+    elif vocab is not None:
+        shape = dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, vocab))
     zero = ds.get("zero_optimization", {})
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")
     offload_param = zero.get("offload_param") or {}

@@ -60,9 +60,10 @@ def rank_limit(device_type: str, world: int) -> tuple:
                                      f"shared by {ranks_here} rank(s) on this node")
 
 
-def check(cfg, ds: dict, world: int, device_type: str, source: str):
+def check(cfg, ds: dict, world: int, device_type: str, source: str, shape=None):
+    """`shape`: the config's resolved shape, where the caller has it (the plan)."""
     vocab = run_vocab(cfg)
-    need = estimate_for_run(cfg, ds, world, device_type, vocab).peak
+    need = estimate_for_run(cfg, ds, world, device_type, vocab, shape).peak
     limit, what = rank_limit(device_type, world)
     kept = device_type == "cpu" and not cfg.train.release_host_memory
     margin = KEPT_PAGES if kept else 1.0
@@ -98,7 +99,7 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str):
     for name, change in fixes:
         ranks = change.pop("world", world)
         fix_margin = change.pop("margin", margin)
-        fits = estimate_for_run(cfg, ds, ranks, device_type, vocab, **change)
+        fits = estimate_for_run(cfg, ds, ranks, device_type, vocab, shape, **change)
         if fits.peak * fix_margin <= limit:
             cheapest = f"cheapest change that fits: {name} ({format_bytes(fits.peak)} a rank)"
             break

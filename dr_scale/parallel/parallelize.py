@@ -43,7 +43,8 @@ class Parallelized:
 
 
 def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
-    """Every refusal, before anything is built (also run before the process group starts)."""
+    """Every refusal, before anything is built: dr_scale/plan.py runs it before the process
+    group starts."""
     p, zero = cfg.parallel, dsc.zero_stage(ds)
     if topo.pipeline > 1:
         pipeline_check(shape, topo.pipeline)
@@ -68,8 +69,7 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path,
     """`weights`: the init_from folder's (HFWeights) for a model built on meta, or None."""
     p = cfg.parallel
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
-    check(shape, topo, cfg, ds, ds_path)                                              # 1
-    mpu = None
+    mpu = None  # (1, the refusals: `check`, run once in the plan before the process group)
     if topo.tensor > 1 and topo.pipeline == 1:                                       # 2
         ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
         groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)

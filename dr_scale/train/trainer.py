@@ -21,7 +21,7 @@ from dr_scale.train.preemption import StopSignals
 class Trainer:
     def __init__(self, engine, cfg, sources, layout, topology, run_dir, logger, facts, device,
                  callbacks=(), stop_at_step=None, resume_plan="direct"):
-        """`topology`: dr_scale.parallel.topology.Topology; `facts`: run_setup.RunFacts (FLOPs
+        """`topology`: dr_scale.parallel.topology.Topology; `facts`: train.start.RunFacts (FLOPs
         per token with and without recomputation, this rank's peak)."""
         self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
         self.topology = topology

@@ -65,7 +65,7 @@ def engine_for(family, precision, topo, ds_name, init_from=None, seed=None):
     from dr_scale.models import resolve_shape
     from dr_scale.parallel.parallelize import parallelize
     from dr_scale.parallel.sharded_build import build_for_run
-    from dr_scale.run_setup import select_kernels
+    from dr_scale.models.kernel_choice import select_kernels
     from dr_scale.train.engine import initialize_engine
 
     cfg = load_config(None, overrides(family))
