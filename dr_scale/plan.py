@@ -9,6 +9,7 @@ vocabulary (`RunPlan.shape` has the config's; the data step settles it).
 """
 import copy
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
@@ -58,7 +59,8 @@ def check(args) -> RunPlan:
     """Everything a config can get wrong, before the process group; see the module's text."""
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one machine's folder: one rank says it
         for line in op_builds.lock_warnings():
-            print(f"dr_scale: warning: {line}", flush=True)
+            sys.stderr.write(f"dr_scale: warning: {line}\n")  # one write: one line (launch.say)
+            sys.stderr.flush()
     fresh_over_old = settle_resume(args)
     cfg, run_dir, init_weights = load_run_config(args)
     ds_path = dsc.resolve_path(args.ds_config)
