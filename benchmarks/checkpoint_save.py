@@ -15,7 +15,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +55,7 @@ def run_mode(mode, preset, ranks, seq, work):
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama_1b")

@@ -101,7 +101,7 @@ def run_stage(stage, prefix, tokenizer_path, seq, samples, cache):
 def main(argv=None):
     from dr_scale.data.corpus import bundled_data
     from dr_scale.data.tokenizer import load_tokenizer
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--documents", type=int, default=244_000_000)

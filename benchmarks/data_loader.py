@@ -91,7 +91,7 @@ def main(argv=None):
     from dr_scale.data.documents import DocumentBoundaries
     from dr_scale.data.loader import build_sources, resolve_files
     from dr_scale.data.tokenizer import load_tokenizer
-    from dr_scale.hardware import bf16_support, cpu_model
+    from dr_scale.runtime.hardware import bf16_support, cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--seq", type=int, default=2048)

@@ -39,7 +39,7 @@ def timed_ms(fn, device, warmup=2, reps=5) -> float:
 def model_rows(preset, seq, doc_counts, device):
     from dr_scale.config import load_config
     from dr_scale.data.documents import DocumentBoundaries
-    from dr_scale.hardware import bf16_support
+    from dr_scale.runtime.hardware import bf16_support
     from dr_scale.models import build_model, resolve_shape
 
     dtype = torch.bfloat16 if bf16_support(device).native else torch.float32
@@ -70,7 +70,7 @@ def model_rows(preset, seq, doc_counts, device):
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
     from dr_scale.kernels.registry import implementation
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])

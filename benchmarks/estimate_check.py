@@ -98,7 +98,7 @@ def big(name, work) -> dict:
 
 
 def main():
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     names = list(SMALL) + list(BIG)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

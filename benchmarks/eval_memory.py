@@ -29,7 +29,7 @@ def peak_over(fn, device_type: str) -> float:
 
 def main(argv=None):
     from dr_scale.config import load_config
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
     from dr_scale.kernels import ops
     from dr_scale.models import build_model, resolve_shape
 

@@ -32,10 +32,11 @@ def main():
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dr_scale import comm, ds_config as dsc
+    from dr_scale.runtime import comm
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
-    from dr_scale.hardware import bf16_support
-    from dr_scale.distributed import init_distributed
+    from dr_scale.runtime.hardware import bf16_support
+    from dr_scale.runtime.process_group import init_distributed
     from dr_scale.train.engine import param_groups
     from dr_scale.models import resolve_shape
     from dr_scale.train.metrics import peak_memory_bytes
@@ -63,14 +64,14 @@ def main():
     engine, *_ = deepspeed.initialize(model=model, config=ds,
                                       model_parameters=param_groups(model, cfg.train.weight_decay))
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    layout = dsc.batch_layout(cfg.train, world)
-    tokens_per_step = layout["global"] * a.seq_length
+    batch_sizes = dsc.batch_sizes(cfg.train, world)
+    tokens_per_step = batch_sizes["global"] * a.seq_length
     t0 = None
     for step in range(a.steps):
         if step == a.warmup:
             comm.barrier()
             t0 = time.perf_counter()
-        for _ in range(layout["accum"]):
+        for _ in range(batch_sizes["accum"]):
             x = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length), generator=g)
             x = x.to(device)
             loss = engine(input_ids=x, labels=x).loss

@@ -43,7 +43,7 @@ def make_folder(preset, layers, vocab, out: Path, max_shard_size: str) -> float:
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama_1b")

@@ -57,7 +57,7 @@ def measured(a, chunk, work) -> dict:
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama_125m")

@@ -79,7 +79,7 @@ def estimated(ds_config, preset, seq, ranks, vocab, layers, overrides=()) -> dic
 def config_variant(ds_config, name: str, work, **zero) -> str:
     """A copy of `ds_config` with `zero` set in its zero_optimization, written to `work` under
     `name` (a path to it)."""
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
 
     ds = dsc.read_json(dsc.resolve_path(ds_config))
     ds["zero_optimization"].update(zero)
@@ -95,7 +95,7 @@ def fewer_live(ds_config, live: float, work) -> str:
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama_1b")

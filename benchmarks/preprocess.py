@@ -60,7 +60,7 @@ def main(argv=None):
     from dr_scale.data.corpus import CORPUS, bundled_data
     from dr_scale.data.text_files import iter_documents
     from dr_scale.data.tokenizer import train_bpe_tokenizer
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--mib", type=float, default=60)

@@ -72,7 +72,7 @@ def digest(folder: Path) -> str:
 
 
 def main(argv=None):
-    from dr_scale.hardware import cpu_model
+    from dr_scale.runtime.hardware import cpu_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=19)

@@ -27,7 +27,7 @@ def main(argv=None):
                       LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     import deepspeed
 
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.export.consolidate import consolidated_state_dict, run_shape
     from dr_scale.models import build_model
@@ -47,7 +47,7 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
     engine = initialize_engine(build_for_run(shape, ds, topo), ds, cfg.train, None,
                                run / "ds_config.json")
-    checkpoint.load(engine, run / "checkpoints", expected_model=shape.weights_signature())
+    checkpoint.load(engine, run / "checkpoints", topo, expected_model=shape.weights_signature())
     tag = checkpoint.find_tag(run / "checkpoints")
     plain = build_model(shape).eval()
     plain.load_state_dict(consolidated_state_dict(run / "checkpoints", tag, shape))

@@ -33,7 +33,6 @@ def rank_main(rank, port, preset, layout, way, dtype_name, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     import deepspeed
-    from deepspeed.utils import groups
 
     from dr_scale.config.schema import ModelConfig
     from dr_scale.launch import leave
@@ -46,21 +45,20 @@ def rank_main(rank, port, preset, layout, way, dtype_name, out):
     deepspeed.init_distributed(dist_backend="gloo")
     dtype = getattr(torch, dtype_name)
     shape = resolve_shape(ModelConfig(preset=preset))
-    topo = Topology(2, **LAYOUTS[layout])
+    topo = Topology(2, **LAYOUTS[layout]).with_groups()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     torch.manual_seed(1234)
     model = build_model(shape) if way == "whole" else build_for_run(shape, {}, topo)
-    if topo.tensor > 1:
-        groups._init_tp_mesh_device(tensor_model_parallel_size=2)
-        shard_model(model, shape, 2, vocab_parallel=True)
+    if topo.autotp:
+        shard_model(model, shape, topo, vocab_parallel=True)
         if way == "meta":
             from dr_scale.parallel.sharded_build import materialize
 
             materialize(model, None, dtype)
         part = model.to(dtype)  # DeepSpeed's cast (a no-op for the meta build)
     else:
-        part = to_pipeline(model, shape, 2, 1, dtype=dtype if way == "meta" else None).to(dtype)
+        part = to_pipeline(model, shape, topo, dtype=dtype if way == "meta" else None).to(dtype)
     held = sum(p.numel() for p in part.parameters() if not p.is_meta)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(f"{out}.{rank}", "w") as f:
@@ -73,17 +71,16 @@ def rank_main(rank, port, preset, layout, way, dtype_name, out):
 def estimated_startup(preset, layout, precision) -> int:
     from dr_scale.models import resolve_shape
     from dr_scale.config.schema import ModelConfig
-    from dr_scale.parallel.estimate import estimate
+    from dr_scale.parallel.estimate import EstimateInputs, estimate
+    from dr_scale.parallel.topology import Topology
 
-    par = LAYOUTS[layout]
-    return estimate(resolve_shape(ModelConfig(preset=preset)), precision=precision, zero_stage=1,
-                    offload_optimizer="none", world=2, tp=par.get("tensor", 1),
-                    pp=par.get("pipeline", 1), vocab_parallel=True, micro_batch=1,
-                    seq_length=256).startup_peak
+    inputs = EstimateInputs(Topology(2, **LAYOUTS[layout]), precision=precision, zero_stage=1,
+                            micro_batch=1, seq_length=256, vocab_parallel=True)
+    return estimate(resolve_shape(ModelConfig(preset=preset)), inputs).startup_peak
 
 
 def main():
-    from dr_scale.hardware import bf16_support, cpu_model
+    from dr_scale.runtime.hardware import bf16_support, cpu_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama_1b")

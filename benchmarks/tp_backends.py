@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 
 
 class DenseMLP(nn.Module):
@@ -87,7 +87,7 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--local_rank", type=int, default=0)
     a = p.parse_args()
-    from dr_scale.distributed import init_distributed
+    from dr_scale.runtime.process_group import init_distributed
 
     init_distributed()
     from megatron.core import parallel_state

@@ -117,7 +117,7 @@ def cmd_reshard(a):
     import resource
     from pathlib import Path
 
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.train.checkpoint import find_tag, saved_parallel_layout
     from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
 
@@ -150,48 +150,50 @@ def cmd_reshard(a):
 def cmd_presets(a):
     from dr_scale.config import load_config
     from dr_scale.models import all_presets, build_model, resolve_shape
-    from dr_scale.models.build import count_parameters, flops_per_token
+    from dr_scale.models.build import count_parameters, spec_of
 
     print(f"{'preset':<12} {'arch':<6} {'params':>10} {'GFLOP/token @2048':>18}")
     for name in all_presets():
         shape = resolve_shape(load_config(overrides=[f"model.preset={name}"]).model)
         n = count_parameters(build_model(shape, device="meta"))
-        print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {flops_per_token(shape, 2048) / 1e9:>18.2f}")
+        print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {spec_of(shape.arch).flops_per_token(shape, 2048) / 1e9:>18.2f}")
 
 
 def cmd_estimate(a):
     import json
 
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
-    from dr_scale.hardware import cpu_bf16_support
-    from dr_scale.parallel.estimate import estimate_for_run
-    from dr_scale.train.metrics import format_bytes
+    from dr_scale.runtime.hardware import cpu_bf16_support
+    from dr_scale.export.checkpoint_source import export_peak_bytes
+    from dr_scale.parallel.estimate import estimate, inputs_for_run, shape_for_run
+    from dr_scale.parallel.topology import Topology
+    from dr_scale.units import format_bytes
 
     cfg = load_config(a.config, a.overrides)
     path = dsc.resolve_path(a.ds_config)
-    tp, pp = cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel
-    if a.ranks % (tp * pp):
-        raise DrScaleError(f"--ranks {a.ranks}: not a multiple of parallel.tensor_parallel x "
-                           f"parallel.pipeline_parallel = {tp * pp}")
+    topo = Topology.from_config(a.ranks, cfg.parallel)  # --ranks: the world it lays out
+    tp, pp = topo.tensor, topo.pipeline
     # "auto" precision: a GPU run is planned for sm_80+ (bf16); a CPU run for this machine's CPU
     bf16_native = a.device != "cpu" or cpu_bf16_support().native
-    ds = dsc.fill(dsc.read_json(path), cfg, a.ranks // (tp * pp), source=str(path),
+    ds = dsc.fill(dsc.read_json(path), cfg, topo.data, source=str(path),
                   bf16_native=bf16_native, device_type=a.device)
-    est = estimate_for_run(cfg, ds, a.ranks, a.device)
+    shape = shape_for_run(cfg)
+    est = estimate(shape, inputs_for_run(cfg, ds, topo, a.device))
+    sizes = dict(est.as_dict(), export_peak=export_peak_bytes(shape, dsc.zero_stage(ds), topo))
     if a.json:
         print(json.dumps({"preset": cfg.model.preset, "ds_config": str(path), "ranks": a.ranks,
                           "tensor_parallel": tp, "pipeline_parallel": pp,
                           "micro_batch_size": cfg.train.micro_batch_size,
                           "seq_length": cfg.data.seq_length,
                           "activation_checkpointing": cfg.parallel.activation_checkpointing,
-                          "bytes_per_rank": est.as_dict(),
+                          "bytes_per_rank": sizes,
                           "largest_transient_is": est.transient_is}, indent=2))
         return
     print(f"{cfg.model.preset} on {a.ranks} {a.device} rank(s), {path.name}, TP {tp} x PP {pp}, "
           f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length} tokens, "
           f"checkpointing {cfg.parallel.activation_checkpointing}; per rank:")
-    for key, value in est.as_dict().items():
+    for key, value in sizes.items():
         if key == "host_offload" and not value:
             continue
         note = f"  ({est.transient_is})" if key == "largest_transient" else ""

@@ -10,11 +10,11 @@ import sys
 
 import torch
 
-from dr_scale import comm, nvme_offload
-from dr_scale import ds_config as dsc
+from dr_scale.runtime import comm, nvme_offload
+from dr_scale.config import ds_config as dsc
 from dr_scale.config.arguments import parse_args
 from dr_scale.data.prepare import prepare_data
-from dr_scale.distributed import close_distributed
+from dr_scale.runtime.process_group import close_distributed
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
                              TrainingStopped)
 from dr_scale.export.hf import load_into
@@ -39,7 +39,7 @@ def run(plan: RunPlan):
     if "offload_param" in nvme_offload.nvme_sections(group.ds):
         nvme_offload.swap_in_each_parameter_once()
     resume = plan.resume
-    sources = prepare_data(plan.cfg, group.layout, group.run_dir if resume else None,  # data
+    sources = prepare_data(plan.cfg, group.batch_sizes, group.run_dir if resume else None,  # data
                            (resume.step, resume.consumed_samples) if resume else (0, 0))
     shape = with_tokenizer_vocab(plan.shape, plan.cfg, sources.tokenizer.vocab_size,  # model
                                  group.topology)
@@ -52,10 +52,9 @@ def run(plan: RunPlan):
     initial = None if resume else plan.init_weights  # on resume the checkpoint's weights win
     if initial is not None:
         load_into(model, initial, plan.cfg.model.init_from)  # on meta: checked only
-    facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.layout,
+    facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.batch_sizes,
                       group.topology)
-    parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds, plan.ds_path,  # par
-                           initial)
+    parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds, initial)  # parallel
     if group.topology.rank == 0:
         write_run_snapshot(plan, group, parallel.ds, shape, facts, sources)
     comm.barrier()
@@ -70,7 +69,7 @@ def run(plan: RunPlan):
     engine = initialize_engine(parallel.model, parallel.ds, plan.cfg.train, scheduler,  # engine
                                plan.ds_path, parallel.mpu)
     parallel.after_engine(engine)
-    trainer = Trainer(engine, plan.cfg, sources, group.layout, group.topology,        # trainer
+    trainer = Trainer(engine, plan.cfg, sources, group.batch_sizes, group.topology,        # trainer
                       group.run_dir, logger, facts, group.device, plan.callbacks,
                       stop_at_step=plan.stop_at_step, resume_plan=resume and resume.mode)
     if resume:

@@ -17,15 +17,15 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from dr_scale import ds_config as dsc
-from dr_scale import nvme_offload, op_builds
+from dr_scale.config import ds_config as dsc
+from dr_scale.runtime import nvme_offload, op_builds
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.config import load_config
 from dr_scale.data.loader import dataset_types
-from dr_scale.distributed import init_distributed, world_size_from_env
+from dr_scale.runtime.process_group import init_distributed, world_size_from_env
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
-from dr_scale.hardware import bf16_support
+from dr_scale.runtime.hardware import bf16_support
 from dr_scale.models import resolve_shape
 from dr_scale.models.build import ModelShape
 from dr_scale.parallel import memory_guard
@@ -74,12 +74,12 @@ def check(args) -> RunPlan:
     bf16 = bf16_support(device_type)
     ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
                   device_type=device_type)
-    par.check(shape, topo, cfg, ds, ds_path)
+    par.refusals(shape, topo, cfg, ds, ds_path)
     nvme_offload.check_system(ds, str(ds_path))
-    callbacks = build_callbacks(cfg.callbacks, topo.pipeline)
+    callbacks = build_callbacks(cfg.callbacks, topo)
     dataset_types(cfg.data)
     if not args.skip_memory_check:  # before any rank allocates the model
-        memory_guard.check(cfg, ds, topo.world, device_type, str(ds_path), shape)
+        memory_guard.refuse_if_too_big(cfg, ds, topo, device_type, str(ds_path), shape)
     resume = None
     if args.resume:
         resume = plan_resume(run_dir.resolve(), topo, ds)
@@ -98,19 +98,20 @@ class Group:
     local_world: int
     run_dir: Path
     ds: dict
-    layout: dict  # micro-batch, accumulation, global batch
+    batch_sizes: dict  # micro-batch, accumulation, global batch
 
 
 def start_group(plan: RunPlan) -> Group:
     hangs.configure(plan.cfg.train.collective_timeout_s)
     device, local_world = init_distributed(plan.cfg.train.collective_timeout_s)
-    topo = Topology.from_config(plan.topology.world, plan.cfg.parallel, dist.get_rank())
+    topo = Topology.from_config(plan.topology.world, plan.cfg.parallel,
+                                dist.get_rank()).with_groups()
     run_dir = choose_run_dir(plan.run_dir, plan.cfg, plan.resume is not None)
     ds = copy.deepcopy(plan.ds)
     nvme_offload.fill_paths(ds, run_dir, raw=plan.raw_ds)
     if plan.resume is not None and plan.resume.mode == "universal":
         ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
-    return Group(topo, device, local_world, run_dir, ds, dsc.batch_layout(plan.cfg.train, topo.data))
+    return Group(topo, device, local_world, run_dir, ds, dsc.batch_sizes(plan.cfg.train, topo.data))
 
 
 def load_run_config(args):

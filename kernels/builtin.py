@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dr_scale.kernels import policy as P
 from dr_scale.kernels import lean_torch, reference
-from dr_scale.kernels.registry import APEX, CUDA, TORCH, TRITON, register_kernel
+from dr_scale.kernels.kernel import APEX, CUDA, TORCH, TRITON, register_kernel
 
 ANY = ("cpu", "cuda")
 # Triton kernels run on CPU only through the interpreter (TRITON_INTERPRET=1): a test tool, far

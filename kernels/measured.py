@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm, disk_cache
+from dr_scale.runtime import comm, disk_cache
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import reference
 from dr_scale.kernels.policy import dtype_name

@@ -6,6 +6,7 @@ import torch
 from dr_scale.callbacks.base import Callback, CallbackList
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.errors import DrScaleError
+from dr_scale.parallel.topology import Topology
 from tests.conftest import launch
 from tests.test_ema import ARGS, ema_at, weights_at
 from tests.test_train_distributed import fp32_config
@@ -90,8 +91,8 @@ def test_pipeline_refusals_come_from_the_callbacks():
                       ("grad_norm_monitor", "it acts between backward and the optimizer step")]:
         with pytest.raises(DrScaleError, match=f"callbacks.{name}: not available with "
                                                f"parallel.pipeline_parallel=2 \\({why}"):
-            build_callbacks({name: on}, pipeline=2)
-    assert len(build_callbacks({"nan_guard": on, "memory_monitor": on}, pipeline=2)) == 2
+            build_callbacks({name: on}, Topology(2, pipeline=2))
+    assert len(build_callbacks({"nan_guard": on, "memory_monitor": on}, Topology(2, pipeline=2))) == 2
 
 
 def test_resume_with_a_callback_added_and_one_removed(cache_dir, tmp_path):

@@ -1,5 +1,6 @@
 """Bad input at the command line: one line naming the file/key, exit status 2, no traceback,
 nothing already written damaged."""
+import dataclasses
 import hashlib
 import re
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+from dr_scale.parallel.topology import Topology
 from tests.conftest import ROOT, launch
 
 
@@ -44,7 +46,7 @@ def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
     master clone and flattened gradient, Adam's moments), and nothing fits one rank
     here; llama_7b is told the cheapest change (enough ranks under ZeRO-3; how many depends on
     this machine's free memory). Nothing is written."""
-    from dr_scale.hardware import cpu_bf16_support
+    from dr_scale.runtime.hardware import cpu_bf16_support
 
     proc = launch(["--run_dir", tmp_path / "a", "--ds_config", "zero1", "model.preset=llama_70b"],
                   1, cache_dir, launcher="python", check=False, timeout=120)
@@ -217,7 +219,7 @@ def test_overrides_may_sit_between_the_options():
 def llama_1b_on_4_cpu_ranks(*overrides):
     """(run config, filled bundled zero3) for llama_1b with the bundled tokenizer's vocabulary on
     4 CPU ranks, micro-batch 1 x 256 tokens, bf16."""
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
 
     cfg = load_config(None, ["model.preset=llama_1b", "model.vocab_size=4096",
@@ -238,19 +240,21 @@ def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, name
     for the smaller working set only (the real estimate either side of it)."""
     from dr_scale.errors import DrScaleError
     from dr_scale.parallel import memory_guard
-    from dr_scale.parallel.estimate import estimate_for_run
+    from dr_scale.parallel.estimate import estimate, inputs_for_run, shape_for_run
 
     cfg, ds = llama_1b_on_4_cpu_ranks("train.release_host_memory=true")
     ds["zero_optimization"].update(zero)
-    before = estimate_for_run(cfg, ds, 4).peak
-    after = estimate_for_run(cfg, ds, 4, sub_group_size=5e7, max_live_parameters=1e8).peak
+    shape, inputs = shape_for_run(cfg), inputs_for_run(cfg, ds, Topology(4))
+    before = estimate(shape, inputs).peak
+    after = estimate(shape, dataclasses.replace(inputs, sub_group_size=5e7,
+                                                max_live_parameters=1e8)).peak
     if "sub_group_size" in zero:
-        after = estimate_for_run(cfg, ds, 4, sub_group_size=5e7).peak
+        after = estimate(shape, dataclasses.replace(inputs, sub_group_size=5e7)).peak
     assert after < before
     limit = (after + before) // 2
     monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
     with pytest.raises(DrScaleError, match=re.escape(f"cheapest change that fits: {names} (")):
-        memory_guard.check(cfg, ds, 4, "cpu", "zero3.json")
+        memory_guard.refuse_if_too_big(cfg, ds, Topology(4), "cpu", "zero3.json")
 
 
 def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
@@ -263,15 +267,15 @@ def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
     from dr_scale.parallel.estimate import estimate_for_run
 
     cfg, ds = llama_1b_on_4_cpu_ranks("model.num_layers=8")
-    need = estimate_for_run(cfg, ds, 4).peak
+    need = estimate_for_run(cfg, ds, Topology(4)).peak
     limit = int(need * 1.1)
     monkeypatch.setattr(memory_guard, "rank_limit", lambda device, world: (limit, "as given"))
     with pytest.raises(DrScaleError) as refused:
-        memory_guard.check(cfg, ds, 4, "cpu", "zero3.json")
+        memory_guard.refuse_if_too_big(cfg, ds, Topology(4), "cpu", "zero3.json")
     line = str(refused.value)
     assert "x1.2 for the freed pages glibc keeps without train.release_host_memory" in line
     assert "cheapest change that fits: train.release_host_memory=true (" in line
     released, _ = llama_1b_on_4_cpu_ranks("model.num_layers=8", "train.release_host_memory=true")
-    memory_guard.check(released, ds, 4, "cpu", "zero3.json")  # fits: no error
+    memory_guard.refuse_if_too_big(released, ds, Topology(4), "cpu", "zero3.json")  # fits: no error
     # a GPU's memory has no glibc between it and the allocator
-    memory_guard.check(cfg, ds, 4, "cuda", "zero3.json")
+    memory_guard.refuse_if_too_big(cfg, ds, Topology(4), "cuda", "zero3.json")

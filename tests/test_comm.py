@@ -1,4 +1,4 @@
-"""Collectives correct by construction: dr_scale.comm places each tensor on a device the group
+"""Collectives correct by construction: dr_scale.runtime.comm places each tensor on a device the group
 serves, and nothing in dr_scale calls torch.distributed's collectives around it."""
 import ast
 import json
@@ -25,13 +25,13 @@ def direct_collectives(path):
 
 def test_no_collective_bypasses_comm():
     files = [p for d in ("dr_scale", "kernels", "benchmarks", "launchers")
-             for p in (ROOT / d).rglob("*.py") if p != ROOT / "dr_scale" / "comm.py"]
+             for p in (ROOT / d).rglob("*.py") if p != ROOT / "dr_scale" / "runtime" / "comm.py"]
     assert len(files) > 50
     bypass = [f"{p.relative_to(ROOT)}:{line} {call}" for p in files
               for line, call in direct_collectives(p)]
     assert bypass == []
     # the scan does find what it looks for
-    assert len(direct_collectives(ROOT / "dr_scale" / "comm.py")) >= 6
+    assert len(direct_collectives(ROOT / "dr_scale" / "runtime" / "comm.py")) >= 6
 
 
 def test_placement_under_a_group_that_serves_only_cuda(tmp_path):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.errors import DrScaleError
 
@@ -65,7 +65,7 @@ def test_global_batch_not_divisible():
     cfg = load_config(overrides=["train.micro_batch_size=3", "train.global_batch_size=16"])
     with pytest.raises(DrScaleError, match=r"train\.global_batch_size=16 is not a multiple of "
                                            r"train\.micro_batch_size=3 x data-parallel size 2 = 6"):
-        dsc.batch_layout(cfg.train, 2)
+        dsc.batch_sizes(cfg.train, 2)
 
 
 def test_auto_without_a_source_is_named(tmp_path):

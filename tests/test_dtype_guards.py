@@ -5,7 +5,7 @@ itself is covered by tests/test_build_equivalence.py."""
 import pytest
 import torch
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import reference

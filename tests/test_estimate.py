@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dr_scale.cli import main
-from dr_scale.hardware import cpu_bf16_support
+from dr_scale.runtime.hardware import cpu_bf16_support
 from tests.conftest import launch, run_rank_script
 
 SHAPE = ["model.preset=tiny", "model.hidden_size=512", "model.num_layers=6", "model.num_heads=8",
@@ -122,7 +122,7 @@ def test_fp32_counts_the_copies_deepspeed_makes_in_fp32_too(monkeypatch):
     torch's AdamW on the model (no copies). Measured without these: llama_1b cut to 8 layers,
     ZeRO-3, 2 ranks, fp32 on an AVX2-only EPYC: 8.69 GiB a rank against 6.58 estimated, and 4
     ranks started and were killed for memory."""
-    from dr_scale import hardware
+    from dr_scale.runtime import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -168,7 +168,7 @@ def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path, monkey
     on a GPU or a CPU with native bf16, else fp32: both CPUs, by the flags the estimate reads."""
     from deepspeed.runtime.zero.offload_config import DeepSpeedZeroOffloadParamConfig
 
-    from dr_scale import hardware
+    from dr_scale.runtime import hardware
 
     monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(
         {"avx512f", "avx512_bf16"} if native_bf16 else {"avx2"}))
@@ -179,7 +179,7 @@ def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path, monkey
     assert (defaults.buffer_count, defaults.buffer_size, defaults.max_in_cpu) == (5, 1e8, 1e9)
     big = ["model.preset=llama_7b", "train.micro_batch_size=1", "data.seq_length=4096"]
     n = 6_738_415_616
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
 
     ds = dsc.read_json(dsc.resolve_path("zero3_nvme"))
     ds["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "auto"}

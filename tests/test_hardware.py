@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.config import load_config
 from dr_scale.errors import DrScaleError
-from dr_scale.hardware import cpu_bf16_support, cpu_flags
+from dr_scale.runtime.hardware import cpu_bf16_support, cpu_flags
 
 # The flags lines of the three CPUs these machines have shown (shortened to what matters).
 AMX_XEON = "fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8"
@@ -90,7 +90,7 @@ def test_threads_per_rank_respect_the_environment(monkeypatch):
     only when it is unset; DR_SCALE_THREADS_PER_RANK overrides both."""
     import os
 
-    from dr_scale.distributed import threads_per_rank
+    from dr_scale.runtime.process_group import threads_per_rank
 
     def cpu_threads(n):
         return threads_per_rank(n)[0]

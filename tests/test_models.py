@@ -7,7 +7,7 @@ import torch
 from dr_scale.config import load_config
 from dr_scale.errors import DrScaleError
 from dr_scale.models import build_model, resolve_shape
-from dr_scale.models.build import count_parameters, flops_per_token
+from dr_scale.models.build import count_parameters, spec_of
 
 
 def shape_of(*overrides, vocab=None):
@@ -119,11 +119,11 @@ def test_flops_per_token_formula():
     s = shape_of(vocab=4096)
     d, L, f, V, kv = 256, 4, 704, 4096, 4 * 32
     expect = 6 * (L * (2 * d * d + 2 * d * kv + 3 * d * f) + d * V) + 12 * L * d * 256
-    assert flops_per_token(s, 256) == expect
+    assert spec_of(s.arch).flops_per_token(s, 256) == expect
     # 6N rule: for a large model the matmul term is ~6 x parameters.
     big = shape_of("model.preset=llama_7b")
     n = count_parameters(build_model(big, device="meta"))
-    assert flops_per_token(big, 0) == pytest.approx(6 * n, rel=0.02)
+    assert spec_of(big.arch).flops_per_token(big, 0) == pytest.approx(6 * n, rel=0.02)
 
 
 def test_tiny_model_learns_a_repeated_batch():

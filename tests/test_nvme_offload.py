@@ -8,7 +8,7 @@ import sys
 
 from tests.conftest import PRETRAIN, run_group
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.config import load_config
 
 
@@ -51,7 +51,7 @@ def test_without_async_io_the_launcher_stops_in_one_line(tmp_path, cache_dir):
 def test_an_unwritable_swap_folder_is_one_line(tmp_path):
     import pytest
 
-    from dr_scale import nvme_offload
+    from dr_scale.runtime import nvme_offload
     from dr_scale.errors import DrScaleError
 
     blocker = tmp_path / "file"
@@ -78,7 +78,7 @@ def test_parameter_swapper_assertions_become_one_line(tmp_path, monkeypatch):
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
         AsyncPartitionedParameterSwapper, PartitionedParamStatus)
 
-    from dr_scale.nvme_offload import swapper_error
+    from dr_scale.runtime.nvme_offload import swapper_error
 
     swapper = AsyncPartitionedParameterSwapper.__new__(AsyncPartitionedParameterSwapper)
     swapper.__dict__.update(available_buffer_ids=[0], elements_per_buffer=4_000_000, id_to_path={},
@@ -125,7 +125,7 @@ def test_a_parameter_listed_twice_is_swapped_in_once(tmp_path, monkeypatch):
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import (
         AsyncPartitionedParameterSwapper as Swapper, PartitionedParamStatus)
 
-    from dr_scale.nvme_offload import swap_in_each_parameter_once
+    from dr_scale.runtime.nvme_offload import swap_in_each_parameter_once
 
     numel = 4096
     saved = torch.arange(numel, dtype=torch.float32)

@@ -5,7 +5,7 @@ import time
 
 from tests.conftest import launch
 
-from dr_scale import op_builds
+from dr_scale.runtime import op_builds
 
 
 def left_lock(root, minutes):

@@ -189,7 +189,7 @@ def test_topology_layout_and_errors():
 
 
 def test_sequence_parallel_refusals():
-    from dr_scale.parallel.sequence import check
+    from dr_scale.parallel.sequence import refusals as check
     from tests.test_models import shape_of
 
     llama = shape_of("model.preset=tiny", vocab=64)
@@ -228,31 +228,24 @@ def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
 
 
 def test_checkpointing_refuses_what_deepspeed_cannot_recompute():
-    from dr_scale.models import build_model
-    from dr_scale.parallel.checkpointing import apply
-    from tests.test_models import shape_of
+    from dr_scale.parallel.checkpointing import refusals
 
-    model = build_model(shape_of("model.preset=tiny", vocab=64))
     with pytest.raises(DrScaleError, match="z.json: activation_checkpointing.cpu_checkpointing="
                                            "true: "):
-        apply(model, "full", 1, {"activation_checkpointing": {"cpu_checkpointing": True}},
-              source="z.json")
+        refusals({"activation_checkpointing": {"cpu_checkpointing": True}}, source="z.json")
     with pytest.raises(DrScaleError, match="z.json: activation_checkpointing.partition_activations="
                                            "true with ZeRO-3: "):
-        apply(model, "full", 1, {"activation_checkpointing": {"partition_activations": True},
-                                 "zero_optimization": {"stage": 3}}, source="z.json")
+        refusals({"activation_checkpointing": {"partition_activations": True},
+                  "zero_optimization": {"stage": 3}}, source="z.json")
 
 
 def test_compile_refuses_what_it_cannot_combine_with():
-    from dr_scale.models import build_model
-    from dr_scale.parallel.checkpointing import compile_blocks
-    from tests.test_models import shape_of
+    from dr_scale.parallel.checkpointing import compile_refusals
 
-    model = build_model(shape_of("model.preset=tiny", vocab=64))
     with pytest.raises(DrScaleError, match="model.compile=true with ZeRO-3"):
-        compile_blocks(model, 3, "none")
+        compile_refusals(3, "none")
     with pytest.raises(DrScaleError, match="model.compile=true with parallel.activation_checkpointing"):
-        compile_blocks(model, 1, "full")
+        compile_refusals(1, "full")
 
 
 DOCUMENTS_APART = ["data.document_mask=true", "data.reset_positions=true"]
@@ -315,9 +308,9 @@ def test_documents_apart_under_tp_sp_pp_and_checkpointing(packed_reference, shor
                              "stage needs a block"),
 ])
 def test_pipeline_refusals_come_with_the_check_before_any_group(overrides, message):
-    """parallelize.check runs before the process group (launch's first step): a layout the
+    """parallelize.refusals runs before the process group (launch's first step): a layout the
     pipeline cannot take is refused there."""
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.models import resolve_shape
     from dr_scale.parallel import parallelize
@@ -325,4 +318,4 @@ def test_pipeline_refusals_come_with_the_check_before_any_group(overrides, messa
     cfg = load_config(None, ["parallel.pipeline_parallel=2", *overrides])
     ds = dsc.read_json(dsc.resolve_path("zero1"))
     with pytest.raises(DrScaleError, match=message):
-        parallelize.check(resolve_shape(cfg.model), Topology(2, pipeline=2), cfg, ds, "zero1")
+        parallelize.refusals(resolve_shape(cfg.model), Topology(2, pipeline=2), cfg, ds, "zero1")

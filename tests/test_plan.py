@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 ARGS = ["--ds_config", "zero3", "data.seq_length=64", "train.max_steps=2",
         "train.eval_samples=4", "logging.plot=false", "logging.tensorboard=false"]
-ONCE = {"fill": 1, "resolve_shape": 1, "build_callbacks": 1, "check": 1}
+ONCE = {"fill": 1, "resolve_shape": 1, "build_callbacks": 1, "refusals": 1}
 
 
 def counted_run(out, *args, cache):

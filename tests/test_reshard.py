@@ -91,7 +91,7 @@ def test_resume_with_another_sub_group_size_goes_through_the_universal_form(unin
     `repair_zero3_load` they drifted from step 6 on (6.4661 against 6.4651, 6.0426 against
     6.0284 at step 8): DeepSpeed's universal load shared one Adam step tensor among the
     sub-groups and gave the no-decay group the first group's weight decay."""
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
 
     full = uninterrupted(2, "zero3")
     run = tmp_path / "run"

@@ -3,12 +3,10 @@ launcher, two nodes, torchrun), and ranks started as the DeepSpeed launcher star
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 
 import pytest
-import yaml
 
 from dr_scale.config import load_config
 from dr_scale.train.schedule import lr_at
@@ -33,7 +31,7 @@ def test_readme_main_job(cache_dir, tmp_path):
     follows the hardware, the held-out loss falls >= 40% by step 100 (measured 8.360 -> 4.787 in
     bf16 on an AVX512-BF16 EPYC, 8.360 -> 4.802 in fp32 with oneDNN capped below bf16), and the
     run folder is complete. The 2-rank form is covered by the shorter runs below."""
-    from dr_scale.hardware import cpu_bf16_support
+    from dr_scale.runtime.hardware import cpu_bf16_support
 
     run = tmp_path / "run"
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir))

@@ -27,7 +27,7 @@ class TrainerView(Protocol):
     engine: Any            # the DeepSpeed engine
     cfg: Any               # the frozen RunConfig
     topology: Any          # dr_scale.parallel.topology.Topology
-    layout: Dict[str, int]  # micro, accum, global batch sizes
+    batch_sizes: Dict[str, int]  # micro, accum, global
     device: Any
     run_dir: Path
     logger: Any            # dr_scale.train.metrics.MetricsLogger

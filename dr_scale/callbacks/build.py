@@ -9,7 +9,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.registry import CALLBACK_REGISTRY
 
 
-def build_callbacks(callbacks_cfg, pipeline: int = 1) -> List[Callback]:
+def build_callbacks(callbacks_cfg, topology=None) -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true; refuse, in one line, one
     that cannot run under a pipeline of `pipeline` stages."""
     out = []
@@ -29,8 +29,8 @@ def build_callbacks(callbacks_cfg, pipeline: int = 1) -> List[Callback]:
         options = cls.options(**opts)  # checked even when not enabled
         if not enabled:
             continue
-        if pipeline > 1 and cls.not_with_pipeline:
+        if topology is not None and topology.pipelined and cls.not_with_pipeline:
             raise DrScaleError(f"callbacks.{name}: not available with parallel.pipeline_parallel="
-                               f"{pipeline} ({cls.not_with_pipeline})")
+                               f"{topology.pipeline} ({cls.not_with_pipeline})")
         out.append(cls.from_options(options))
     return sorted(out, key=lambda cb: cb.order)

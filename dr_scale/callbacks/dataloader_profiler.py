@@ -144,7 +144,7 @@ class DataLoaderProfilerCallback(Callback):
         return self.profiler.wrap(loader)
 
     def after_backward(self, trainer, step, micro_step):
-        last_micro = micro_step == trainer.layout["accum"] - 1
+        last_micro = micro_step == trainer.batch_sizes["accum"] - 1
         if self.profiler is None or not last_micro or not trainer.will_log(step + 1):
             return
         p = self.profiler

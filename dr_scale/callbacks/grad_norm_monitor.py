@@ -31,10 +31,10 @@ class GradNormMonitor(Callback):
         self.top_k = self.options(top_k=top_k).top_k
 
     def after_backward(self, trainer, step, micro_step):
-        if micro_step != trainer.layout["accum"] - 1 or not trainer.will_log(step + 1):
+        if micro_step != trainer.batch_sizes["accum"] - 1 or not trainer.will_log(step + 1):
             return  # only at the boundary of a step whose record is written
-        grads = local_grads(trainer.engine, trainer.topology.tensor)
-        norms = grad_norms(trainer.engine, grads)
+        grads = local_grads(trainer.engine, trainer.topology)
+        norms = grad_norms(trainer.engine, grads, trainer.topology)
         values, index = norms.topk(min(self.top_k, len(grads)))
         trainer.report("grad_norm_total", norms.pow(2).sum().sqrt())
         trainer.report("grad_norm_top", [[grads[i].name, v]

@@ -14,9 +14,8 @@ from typing import Any
 
 import psutil
 import torch
-import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.callbacks.base import Callback
 from dr_scale.config.typed import Section, field
 from dr_scale.errors import DrScaleError
@@ -129,7 +128,7 @@ class MemoryMonitorCallback(Callback):
 
     def on_exit(self, trainer):
         gathered = comm.all_gather_object(self.monitor.samples)
-        if dist.get_rank() == 0:
+        if trainer.topology.rank == 0:
             out = self.monitor.plot(trainer.run_dir / "memory.png", dict(enumerate(gathered)))
             trainer.logger.info(f"wrote {out}")
 
@@ -165,8 +164,8 @@ class MemoryAlertCallback(Callback):
             return
         self.last_alert = step
         self.alerts += 1
-        print(f"[dr_scale] memory alert (rank {dist.get_rank()}, step {step}): "
+        print(f"[dr_scale] memory alert (rank {trainer.topology.rank}, step {step}): "
               f"{used / 2**20:,.0f} MiB in use > max_usage {self.max_usage} "
               f"({self.threshold / 2**20:,.0f} MiB)", file=sys.stderr, flush=True)
-        trainer.logger.log_event({"step": step, "memory_alert": True, "rank": dist.get_rank(),
+        trainer.logger.log_event({"step": step, "memory_alert": True, "rank": trainer.topology.rank,
                                   "usage_bytes": used, "threshold_bytes": self.threshold})

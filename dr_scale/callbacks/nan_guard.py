@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.callbacks.base import Callback
 from dr_scale.config.typed import Section, field
 from dr_scale.errors import TrainingStopped

@@ -35,10 +35,10 @@ def clip_factors(norms: torch.Tensor, max_norm: float, exempt: torch.Tensor) -> 
     return torch.where(exempt, torch.ones_like(factors), factors)
 
 
-def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str], tensor_parallel: int = 1):
+def clip_per_layer_(engine, max_norm: float, patterns: Sequence[str], topology):
     """Clip this step's reduced gradients in place. Returns (norms, factors), equal on all ranks."""
-    grads = local_grads(engine, tensor_parallel)
-    norms = grad_norms(engine, grads)
+    grads = local_grads(engine, topology)
+    norms = grad_norms(engine, grads, topology)
     exempt = torch.tensor(exempt_mask([g.name for g in grads], patterns), device=norms.device)
     factors = clip_factors(norms, max_norm, exempt)
     scale_(grads, factors)
@@ -64,8 +64,8 @@ class PerLayerClip(Callback):
         self.max_norm, self.exempt = o.max_norm, list(o.exempt)
 
     def after_backward(self, trainer, step, micro_step):
-        if micro_step != trainer.layout["accum"] - 1:
+        if micro_step != trainer.batch_sizes["accum"] - 1:
             return  # gradients are reduced only at the accumulation boundary
         _, factors = clip_per_layer_(trainer.engine, self.max_norm, self.exempt,
-                                      trainer.topology.tensor)
+                                      trainer.topology)
         trainer.report("clipped_params", (factors < 1).sum().float())  # mean over the window

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import List
 
 import torch
-import torch.distributed as dist
 
 from dr_scale.callbacks.base import Callback
 from dr_scale.config.typed import Section, field
@@ -48,7 +47,7 @@ class StepProfiler(Callback):
         self.written = None  # (trace path, table path) once written
 
     def before_step(self, trainer, step):
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = trainer.topology.rank
         if step != self.start_step or rank not in self.ranks or self.prof is not None:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 
 
 @dataclass
@@ -47,11 +47,11 @@ def tensor_parallel_params(engine) -> set:
     return ids
 
 
-def local_grads(engine, tensor_parallel: int = 1) -> List[LocalGrad]:
-    """This rank's share of every trainable parameter's gradient; `tensor_parallel` is the
-    Topology's size (the slices of split parameters are then marked)."""
+def local_grads(engine, topology) -> List[LocalGrad]:
+    """This rank's share of every trainable parameter's gradient; under tensor parallelism (the
+    run's Topology) the slices of split parameters are marked."""
     out = []
-    tp_ids = tensor_parallel_params(engine) if tensor_parallel > 1 else set()
+    tp_ids = tensor_parallel_params(engine) if topology.sliced else set()
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -89,8 +89,9 @@ def loss_scale(engine) -> float:
     return 1.0
 
 
-def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
-    """Whole-parameter L2 norms of the (unscaled) gradients, one per entry, equal on every rank."""
+def grad_norms(engine, grads: List[LocalGrad], topology, device=None) -> torch.Tensor:
+    """Whole-parameter L2 norms of the (unscaled) gradients, one per entry, equal on every rank;
+    the slices of tensor-parallel parameters summed over the Topology's tensor group."""
     device = device or next(engine.module.parameters()).device
     sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
     mine = [i for i, g in enumerate(grads) if g.grad is not None and g.grad.numel()]
@@ -106,10 +107,8 @@ def grad_norms(engine, grads: List[LocalGrad], device=None) -> torch.Tensor:
         comm.all_reduce(sq, group=group)
     sharded = [i for i, g in enumerate(grads) if g.tp_sharded]
     if sharded:  # each tensor-parallel rank holds a different slice of these
-        from deepspeed.utils import groups
-
         part = sq[sharded].clone()
-        comm.all_reduce(part, group=groups.get_tensor_model_parallel_group())
+        comm.all_reduce(part, group=topology.tensor_group)
         sq[sharded] = part
     return sq.sqrt() / loss_scale(engine)
 

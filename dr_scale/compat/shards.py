@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.compat.grads import data_parallel_group
 
 

@@ -134,9 +134,9 @@ class StepBatchSampler(torch.utils.data.Sampler):
         return self.steps * self.accum
 
 
-def train_loader(stream: SampleStream, layout: dict, dp_size: int, dp_rank: int,
+def train_loader(stream: SampleStream, batch_sizes: dict, dp_size: int, dp_rank: int,
                  start_sample: int, steps: int, num_workers: int):
-    sampler = StepBatchSampler(layout["micro"], layout["accum"], dp_size, dp_rank, start_sample,
+    sampler = StepBatchSampler(batch_sizes["micro"], batch_sizes["accum"], dp_size, dp_rank, start_sample,
                                steps)
     return torch.utils.data.DataLoader(stream, batch_sampler=sampler, num_workers=num_workers,
                                        persistent_workers=num_workers > 0)

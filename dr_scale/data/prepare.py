@@ -1,20 +1,20 @@
 """The data step of a run: the tokenizer and the train and held-out streams, built once per node."""
 import os
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.data.loader import build_sources, resolve_files
 from dr_scale.data.tokenizer import file_sha256, tokenizer_file_in
 from dr_scale.errors import DrScaleError
 
 
-def prepare_data(cfg, layout, resumed_run_dir=None, resume_at=(0, 0)):
+def prepare_data(cfg, batch_sizes, resumed_run_dir=None, resume_at=(0, 0)):
     """Tokenizer + train/held-out streams. Local rank 0 builds what is built once (the bundled
     corpus on first use, the sample index caches) while the node's other ranks wait, then they
     map what it wrote. A resumed run must keep its tokenizer; `resume_at` (step, samples
     consumed) sizes the stream for the steps left at this run's global batch."""
     t = cfg.train
     step, consumed = resume_at
-    train_samples = consumed + max(0, t.max_steps - step) * layout["global"]
+    train_samples = consumed + max(0, t.max_steps - step) * batch_sizes["global"]
 
     def sources_here(builder: bool):
         files = resolve_files(cfg.data)

@@ -23,11 +23,31 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from dr_scale import nvme_offload
+from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
 
 PIECE = 1 << 24           # elements per piece: 64 MiB in fp32
 RELOAD = 512 * 2 ** 20    # bytes read through the maps before they are made again
+# Resident set of `dr-scale export` before its first tensor (python, torch, DeepSpeed's checkpoint
+# reader): its peak exporting the tiny preset (4M parameters) from ZeRO-3, 0.44 GiB on the 2-core
+# CI machine (AMX Xeon, 2026-12-02).
+EXPORT_RUNTIME_BYTES = 450 * 2**20
+
+
+def export_peak_bytes(shape, zero_stage: int, topology) -> int:
+    """Peak of `dr-scale export` of a run's checkpoint (this file and safetensors_folder.py; one
+    process, not a rank): from ZeRO-3 the optimizer files' pages mapped until RELOAD bytes are
+    read, and one piece in fp32 with its cast; from ZeRO-0/1/2 DeepSpeed's whole fp32 model (of
+    one tensor rank, one pipeline layer file at a time); a tensor joined from its
+    tensor-parallel slices whole."""
+    from dr_scale.parallel.estimate import largest_tensor, meta_model
+
+    n, largest = sum(p.numel() for p in meta_model(shape).parameters()), largest_tensor(shape)
+    tp, pp = topology.tensor, topology.pipeline
+    piece = min(PIECE, largest) * 4 * 2
+    joined = largest * 4 if topology.sliced else 0
+    held = min(RELOAD, 12 * n / tp) if zero_stage == 3 else 4 * n / tp / pp
+    return int(EXPORT_RUNTIME_BYTES + held + piece + joined)
 
 
 class Source:

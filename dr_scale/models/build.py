@@ -203,29 +203,3 @@ def count_parameters(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += getattr(p, "ds_numel", p.numel())
     return total
-
-
-def flops_per_token(shape: ModelShape, seq_length: int) -> float:
-    """Training FLOPs per token, the PaLM/Megatron count: 6 x (matmul parameters, the output
-    projection included, input embeddings not) + 12 x layers x hidden x sequence (attention
-    scores and values, full square, as those papers count it). No recomputation (that is HFU)."""
-    d, L, f = shape.hidden_size, shape.num_layers, shape.ffn_hidden_size
-    kv = shape.num_kv_heads * shape.head_dim
-    attn = d * d * 2 + d * kv * 2                      # q, o and k, v projections
-    mlp = spec_of(shape.arch).mlp_matrices * d * f
-    matmul_params = L * (attn + mlp) + d * shape.vocab_size
-    return 6.0 * matmul_params + 12.0 * L * d * seq_length
-
-
-def recompute_flops_per_token(shape: ModelShape, seq_length: int, checkpointing: str,
-                              every: int = 1) -> float:
-    """Forward FLOPs per token done again by activation checkpointing (HFU counts them, MFU not):
-    whole blocks for `full`, the attention module (projections and scores) for `selective`."""
-    if checkpointing == "none":
-        return 0.0
-    d, f = shape.hidden_size, shape.ffn_hidden_size
-    kv = shape.num_kv_heads * shape.head_dim
-    attention = 2.0 * (d * d * 2 + d * kv * 2) + 4.0 * d * seq_length
-    mlp = 2.0 * spec_of(shape.arch).mlp_matrices * d * f
-    per_layer = attention + (mlp if checkpointing == "full" else 0.0)
-    return per_layer * len(range(0, shape.num_layers, every))

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import measured, ops
 from dr_scale.kernels.registry import candidates, select, unavailable

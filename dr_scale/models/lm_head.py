@@ -107,7 +107,7 @@ def _whole_vocabulary(lse, picked, group):
     """The whole vocabulary's log-sum-exp and target logit per row from each slice's (the target
     logit is nonzero in one slice only): the maximum, then the exp-sums and target logits summed
     over the tensor group, two small all-reduces a chunk."""
-    from dr_scale import comm
+    from dr_scale.runtime import comm
 
     top = lse.clone()
     comm.all_reduce(top, "max", group=group)

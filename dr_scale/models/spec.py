@@ -5,7 +5,11 @@ imported by dr_scale/models/__init__.py.
 What reads which field:
     module, presets        models.build (shapes, building), `dr-scale presets`
     tp_plan                parallel.tensor (DeepSpeed AutoTP), parallel.estimate
-    gated_mlp              FLOPs per token (MFU), recomputed FLOPs (HFU), activation bytes
+    gated_mlp              the counts below (SwiGLU's three matrices or GeLU's two)
+    flops_per_token, recompute_flops_per_token
+                           MFU and HFU (train/start.py), `dr-scale presets`
+    activation_bytes_per_token_layer
+                           the memory estimate (parallel/estimate.py)
     rotary                 shape checks
     sequence_parallel      parallel.sequence: where the sequence is split and gathered again
     pipeline               parallel.pipeline (cutting into stages), export (stage files' names)
@@ -86,3 +90,42 @@ class ModelSpec:
     @property
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
+
+    # What one token costs, from the family's block (attention with grouped k/v projections,
+    # the MLP's matrices) and a shape: one place for the start line, the metrics, the estimator.
+    def flops_per_token(self, shape, seq_length: int) -> float:
+        """Training FLOPs per token, the PaLM/Megatron count: 6 x (matmul parameters, the output
+        projection included, input embeddings not) + 12 x layers x hidden x sequence (attention
+        scores and values, full square, as those papers count it). No recomputation (HFU)."""
+        d, L, f = shape.hidden_size, shape.num_layers, shape.ffn_hidden_size
+        kv = shape.num_kv_heads * shape.head_dim
+        attn = d * d * 2 + d * kv * 2                      # q, o and k, v projections
+        matmul_params = L * (attn + self.mlp_matrices * d * f) + d * shape.vocab_size
+        return 6.0 * matmul_params + 12.0 * L * d * seq_length
+
+    def recompute_flops_per_token(self, shape, seq_length: int, checkpointing: str,
+                                  every: int = 1) -> float:
+        """Forward FLOPs per token done again by activation checkpointing (HFU counts them, MFU
+        not): whole blocks for `full`, the attention module (projections and scores) for
+        `selective`, every `every`-th block."""
+        if checkpointing == "none":
+            return 0.0
+        d, f = shape.hidden_size, shape.ffn_hidden_size
+        kv = shape.num_kv_heads * shape.head_dim
+        attention = 2.0 * (d * d * 2 + d * kv * 2) + 4.0 * d * seq_length
+        mlp = 2.0 * self.mlp_matrices * d * f
+        per_layer = attention + (mlp if checkpointing == "full" else 0.0)
+        return per_layer * len(range(0, shape.num_layers, every))
+
+    def activation_bytes_per_token_layer(self, shape, bytes_per: int) -> float:
+        """Bytes one decoder block keeps for backward, per token, at `bytes_per` an element."""
+        h, f = shape.hidden_size, shape.ffn_hidden_size
+        kv = shape.num_kv_heads * shape.head_dim
+        # two norms: the fused kernels and the torch RMSNorm and LayerNorm
+        # (kernels/lean_torch.py) keep their input (and per-row statistics, negligible)
+        norms = 2 * bytes_per * h
+        attention = bytes_per * (h + (h + 2 * kv) + h + h)  # input, q/k/v, output, o_proj input
+        # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
+        # output, gelu output
+        mlp = bytes_per * (h + self.mlp_matrices * f)
+        return norms + attention + mlp

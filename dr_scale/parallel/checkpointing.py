@@ -53,7 +53,7 @@ def _checkpointed(forward, partitioned, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(run, *activations, use_reentrant=False)
 
 
-def check(ds_config: dict, source: str = "the DeepSpeed config"):
+def refusals(ds_config: dict, source: str = "the DeepSpeed config"):
     """Refuse what our checkpointing cannot run with (before anything is built)."""
     section = (ds_config or {}).get("activation_checkpointing", {})
     if section.get("cpu_checkpointing"):
@@ -68,7 +68,7 @@ def check(ds_config: dict, source: str = "the DeepSpeed config"):
                            f"false (parallel.activation_checkpointing still applies) or use ZeRO-1/2")
 
 
-def check_compile(zero_stage: int, checkpointing: str):
+def compile_refusals(zero_stage: int, checkpointing: str):
     if zero_stage == 3:
         raise DrScaleError("model.compile=true with ZeRO-3: DeepSpeed's parameter gathering hooks "
                            "break the compiled graphs; use ZeRO-0/1/2 or model.compile=false")
@@ -77,12 +77,11 @@ def check_compile(zero_stage: int, checkpointing: str):
                            "combined yet; choose one")
 
 
-def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None,
-          source: str = "the DeepSpeed config") -> int:
-    """Wrap the modules `mode` names; returns how many were wrapped."""
+def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None) -> int:
+    """Wrap the modules `mode` names; returns how many were wrapped (`refusals` ran in the
+    plan)."""
     if mode == "none":
         return 0
-    check(ds_config, source)
     partitioned = bool((ds_config or {}).get("activation_checkpointing", {})
                        .get("partition_activations"))
     deepspeed.checkpointing.configure(mpu, partition_activations=partitioned,
@@ -99,8 +98,8 @@ def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, m
 
 def compile_blocks(model: nn.Module, zero_stage: int, checkpointing: str) -> int:
     """torch.compile each decoder block in place (parameter names unchanged): one compiled
-    region per block type, reused by every block, as torchtitan does; returns how many."""
-    check_compile(zero_stage, checkpointing)
+    region per block type, reused by every block, as torchtitan does; returns how many
+    (`compile_refusals` ran in the plan)."""
     blocks = decoder_blocks(model)
     for b in blocks:
         b.compile()

@@ -57,18 +57,14 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
+from dr_scale.parallel.topology import Topology
 
 # Resident set of a CPU rank after torch + DeepSpeed + gloo are up, before the model: measured on
 # the 2-core CI machine (python, torch 2.13, deepspeed 0.19.8) as the peak RSS of a run of a
 # 1-layer, 64-wide model (benchmarks/estimate_check.py reports it afresh).
 RUNTIME_BYTES_CPU = 560 * 2**20
 ADAM_STATE_BYTES = 8  # two fp32 moments per parameter
-# Resident set of `dr-scale export` before its first tensor (python, torch, DeepSpeed's checkpoint
-# reader): its peak exporting the tiny preset (4M parameters) from ZeRO-3, 0.44 GiB on the 2-core
-# CI machine (AMX Xeon, 2026-12-02).
-EXPORT_RUNTIME_BYTES = 450 * 2**20
 
 
 @dataclass
@@ -86,7 +82,6 @@ class MemoryEstimate:
     peak: int          # max(total, startup_peak)
     largest_transient: int  # the largest single allocation a rank makes, start-up or step (part
     #                         of the figures above; what it is: `transient_is`)
-    export_peak: int = 0  # `dr-scale export` of this run's checkpoint (one process, not a rank)
     transient_is: str = ""
 
     def as_dict(self):
@@ -95,7 +90,7 @@ class MemoryEstimate:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_model(shape):
+def meta_model(shape):
     """The model on the meta device (nothing allocated), once per shape: the what-if estimates
     of the launcher's memory check ask for the same shape many times."""
     from dr_scale.models import build_model
@@ -105,7 +100,7 @@ def _meta_model(shape):
 
 def largest_tensor(shape) -> int:
     """Elements of the model's largest parameter (the embedding or a projection)."""
-    return max(p.numel() for p in _meta_model(shape).parameters())
+    return max(p.numel() for p in meta_model(shape).parameters())
 
 
 def split_parameters(shape, tp: int, vocab_parallel: bool = False):
@@ -113,7 +108,7 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
     vocab_parallel the LM head (and the embedding tied to it) count as sharded."""
     import re
 
-    model = _meta_model(shape)
+    model = meta_model(shape)
     patterns = [re.compile(p) for plan in spec_of(shape.arch).tp_plan for p in plan["patterns"]]
     sharded = replicated = 0
     seen = set()
@@ -127,20 +122,6 @@ def split_parameters(shape, tp: int, vocab_parallel: bool = False):
         else:
             replicated += p.numel()
     return sharded, replicated
-
-
-def activation_bytes_per_token_layer(shape, bytes_per: int) -> float:
-    """Tensors one decoder block keeps for backward, per token (see module doc)."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    kv = shape.num_kv_heads * shape.head_dim
-    # two norms: the fused kernels and the torch RMSNorm and LayerNorm (kernels/lean_torch.py)
-    # keep their input (and per-row statistics, negligible)
-    norms = 2 * bytes_per * h
-    attention = bytes_per * (h + (h + 2 * kv) + h + h)  # block input, q/k/v, output, o_proj input
-    # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
-    # output, gelu output
-    mlp = bytes_per * (h + (3 if spec_of(shape.arch).gated_mlp else 2) * f)
-    return norms + attention + mlp
 
 
 def loss_bytes(shape, tokens: int, lp: int, fused: bool, slices: int = 1) -> float:
@@ -158,27 +139,46 @@ def loss_bytes(shape, tokens: int, lp: int, fused: bool, slices: int = 1) -> flo
     return tokens * v * (lp + 4 + 4)
 
 
-def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, world: int,
-             tp: int = 1, pp: int = 1, vocab_parallel: bool = False, micro_batch: int,
-             seq_length: int,
-             checkpointing: str = "none", checkpoint_every: int = 1,
-             device_type: str = "cpu", reduce_bucket: float = 5e8,
-             prefetch_bucket: float = 5e7, contiguous_gradients: bool = True,
-             max_live_parameters: float = 1e9, sub_group_size: float = 1e9,
-             swap_buffers: int = 4, offload_param: str = "none",
-             param_max_in_cpu: float = 1e9, param_buffers: int = 5,
-             param_buffer_size: float = 1e8) -> MemoryEstimate:
-    """`offload_optimizer`, `offload_param`: "none", "cpu" or "nvme" (the device of
-    zero_optimization's offload_optimizer and offload_param; parameters only under ZeRO-3)."""
-    if world % (tp * pp):
-        raise DrScaleError(f"estimate: tensor x pipeline = {tp * pp} does not divide {world} ranks")
-    dp = world // (tp * pp)
+@dataclass(frozen=True)
+class EstimateInputs:
+    """What a rank's memory depends on besides the model's shape: the layout of ranks, the
+    precision, DeepSpeed's ZeRO settings (its defaults where the config is silent), the batch and
+    the checkpointing. `inputs_for_run` reads them from a run's config; a what-if is
+    `dataclasses.replace(inputs, zero_stage=3, ...)`."""
+    topology: Topology
+    precision: str
+    zero_stage: int
+    micro_batch: int
+    seq_length: int
+    vocab_parallel: bool = False
+    offload_optimizer: str = "none"  # none | cpu | nvme (zero_optimization.offload_optimizer)
+    offload_param: str = "none"      # none | cpu | nvme (ZeRO-3's offload_param)
+    checkpointing: str = "none"
+    checkpoint_every: int = 1
+    device_type: str = "cpu"
+    reduce_bucket: float = 5e8
+    prefetch_bucket: float = 5e7
+    contiguous_gradients: bool = True
+    max_live_parameters: float = 1e9
+    sub_group_size: float = 1e9
+    swap_buffers: int = 4
+    param_max_in_cpu: float = 1e9
+    param_buffers: int = 5
+    param_buffer_size: float = 1e8
+
+
+def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
+    """Per-rank bytes for `shape` trained as `inputs` says (see the module's text)."""
+    i, topo = inputs, inputs.topology
+    tp, pp, dp = topo.tensor, topo.pipeline, topo.data
+    precision, zero_stage, offload_optimizer = i.precision, i.zero_stage, i.offload_optimizer
+    offload_param, device_type, sub_group_size = i.offload_param, i.device_type, i.sub_group_size
     lp = 4 if precision == "fp32" else 2
     mixed = precision != "fp32"
-    vocab_parallel = vocab_parallel and tp > 1 and pp == 1  # pipeline stages keep the head whole
-    slices = tp if vocab_parallel else 1  # of the LM head's vocabulary
-    shape = shape.settle_loss_chunk(micro_batch * seq_length, slices)
-    sharded, replicated = split_parameters(shape, tp, vocab_parallel)
+    slices = topo.head_slices(i.vocab_parallel)  # of the LM head's vocabulary
+    fused = topo.loss_in_model  # the chunked fused loss (a pipeline's last stage: whole logits)
+    shape = shape.settle_loss_chunk(i.micro_batch * i.seq_length, slices)
+    sharded, replicated = split_parameters(shape, tp, slices > 1)
     n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
     n /= pp  # a stage holds its share of the layers (balanced by parameters)
 
@@ -201,59 +201,58 @@ def estimate(shape, *, precision: str, zero_stage: int, offload_optimizer: str, 
     host = swap = 0
     if offload_optimizer == "nvme":  # state in files, swapped a sub-group a buffer; the step's
         optimizer = 0  # fp32 gradients are whole in memory before they are swapped out
-        swap = swap_buffers * min(sub_group_size, n / zero_div) * 4
+        swap = i.swap_buffers * min(sub_group_size, n / zero_div) * 4
     elif offload_optimizer == "cpu" and device_type != "cpu":  # on a CPU nothing leaves the rank
         host, optimizer, gradients = optimizer + grads_fp32, 0, grads_lp
     param_swap = 0  # host memory of the parameter swapper (a CPU rank's own)
     if zero_stage == 3 and offload_param == "nvme":
         partition = n / dp  # in a host buffer up to max_in_cpu, the rest in files
-        parameters = min(partition, param_max_in_cpu) * lp
-        param_swap = param_buffers * param_buffer_size * lp  # page-locked from zero.Init on
-        if partition > param_max_in_cpu:  # the step swaps a sub-group's parameters out
+        parameters = min(partition, i.param_max_in_cpu) * lp
+        param_swap = i.param_buffers * i.param_buffer_size * lp  # page-locked from zero.Init on
+        if partition > i.param_max_in_cpu:  # the step swaps a sub-group's parameters out
             param_swap += min(sub_group_size, partition) * dp * lp
     if zero_stage == 3 and offload_param != "none" and device_type != "cpu":
         host, parameters, param_swap = host + parameters + param_swap, 0, 0
 
-    tokens = micro_batch * seq_length
-    per_layer = activation_bytes_per_token_layer(shape, lp) * tokens
+    tokens = i.micro_batch * i.seq_length
+    per_layer = spec_of(shape.arch).activation_bytes_per_token_layer(shape, lp) * tokens
     layers = shape.num_layers / pp
-    if checkpointing == "full":
+    if i.checkpointing == "full":
         # checkpointed blocks keep only their input; one block is live again during its backward
-        kept = math.floor(layers / checkpoint_every)
+        kept = math.floor(layers / i.checkpoint_every)
         acts = kept * lp * shape.hidden_size * tokens + (layers - kept) * per_layer + per_layer
-    elif checkpointing == "selective":
+    elif i.checkpointing == "selective":
         attn = lp * (shape.hidden_size + 2 * shape.num_kv_heads * shape.head_dim) * tokens
-        acts = layers * (per_layer - attn / max(1, checkpoint_every))
+        acts = layers * (per_layer - attn / max(1, i.checkpoint_every))
     else:
         acts = layers * per_layer
-    logits = loss_bytes(shape, tokens, lp, fused=pp == 1, slices=slices)
+    logits = loss_bytes(shape, tokens, lp, fused=fused, slices=slices)
     activations = acts / tp + logits
-    if zero_stage >= 2 and contiguous_gradients:
-        buffers = reduce_bucket * lp
+    if zero_stage >= 2 and i.contiguous_gradients:
+        buffers = i.reduce_bucket * lp
     else:
-        buffers = min(reduce_bucket, n) * lp
+        buffers = min(i.reduce_bucket, n) * lp
     if zero_stage == 3:
         # gathered parameters stay live until stage3_max_live_parameters of them are (measured
         # here: llama_1b cut to 8 layers peaked 0.87 GiB a rank above the other terms, at 2 and
         # at 4 ranks alike: its whole 16-bit model), beyond what the prefetch bucket brings
-        buffers += max(min(max_live_parameters, n), min(prefetch_bucket, n)) * lp
+        buffers += max(min(i.max_live_parameters, n), min(i.prefetch_bucket, n)) * lp
     buffers += swap + param_swap
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
-    if zero_stage == 3 and pp == 1:  # built sharded (TP: each module's slices partitioned as
+    if zero_stage == 3 and not topo.pipelined:  # built sharded (TP: each module's slices partitioned as
         #                                they are made): one tensor whole at a time
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters + param_swap
-    elif tp > 1 or pp > 1:  # built on meta: this rank's slices of its stage, made real in the
+    elif topo.builds_on_meta:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
         startup = runtime + n * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
-    transient, what = largest_transient(shape, tokens, lp, fused=pp == 1, slices=slices,
+    transient, what = largest_transient(shape, tokens, lp, fused=fused, slices=slices,
                                         step_gradient=step_flat, zero_stage=zero_stage)
     return MemoryEstimate(*(int(x) for x in (parameters, gradients, optimizer, activations,
                                             buffers, runtime, host, total, startup,
-                                            max(total, startup), transient,
-                                            export_bytes(shape, zero_stage, tp, pp))),
+                                            max(total, startup), transient)),
                           transient_is=what)
 
 
@@ -273,20 +272,6 @@ def master_weight_bytes(mixed: bool, zero_stage: int) -> int:
     docstring; tests/test_estimate.py checks this against real engines), and ZeRO-0 steps torch's
     optimizer on the model itself."""
     return 4 if mixed or zero_stage >= 1 else 0
-
-
-def export_bytes(shape, zero_stage: int, tp: int = 1, pp: int = 1) -> int:
-    """Peak of `dr-scale export` (export/checkpoint_source.py, export/safetensors_folder.py):
-    from ZeRO-3 the optimizer files' pages mapped until RELOAD bytes are read, and one piece in
-    fp32 with its cast; from ZeRO-0/1/2 DeepSpeed's whole fp32 model (of one tensor rank, one
-    pipeline layer file at a time); a tensor joined from its tensor-parallel slices whole."""
-    from dr_scale.export.checkpoint_source import PIECE, RELOAD
-
-    n = sum(p.numel() for p in _meta_model(shape).parameters())
-    piece = min(PIECE, largest_tensor(shape)) * 4 * 2
-    joined = largest_tensor(shape) * 4 if tp > 1 else 0
-    held = min(RELOAD, 12 * n / tp) if zero_stage == 3 else 4 * n / tp / pp
-    return int(EXPORT_RUNTIME_BYTES + held + piece + joined)
 
 
 def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1,
@@ -312,14 +297,37 @@ def largest_transient(shape, tokens: int, lp: int, fused: bool, slices: int = 1,
     return max(candidates)
 
 
-def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
-                     vocab: int = None, shape=None, **changes) -> MemoryEstimate:
-    """From a loaded RunConfig and DeepSpeed config dict; `vocab` the run's tokenizer's
-    vocabulary when the caller knows it (else the named tokenizer's, or the preset's); `shape`
-    the config's resolved shape where the caller has it (the plan); `changes` override
-    estimate()'s arguments (what-if: zero_stage=3, checkpointing="full", world=16,
-    offload_optimizer="cpu")."""
-    from dr_scale import ds_config as dsc
+def inputs_for_run(cfg, ds: dict, topology: Topology, device_type: str = "cpu") -> EstimateInputs:
+    """A run's EstimateInputs from its RunConfig, filled DeepSpeed config and Topology."""
+    from dr_scale.config import ds_config as dsc
+
+    zero = ds.get("zero_optimization", {})
+    offload_param = zero.get("offload_param") or {}
+    # DeepSpeed's defaults where the config is silent (ZeRO-3 spells its bucket sizes
+    # stage3_*; contiguous_gradients defaults on)
+    return EstimateInputs(
+        topology=topology, precision=dsc.precision(ds), zero_stage=dsc.zero_stage(ds),
+        micro_batch=cfg.train.micro_batch_size, seq_length=cfg.data.seq_length,
+        vocab_parallel=cfg.parallel.vocab_parallel,
+        offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"),
+        offload_param=offload_param.get("device", "none"),
+        checkpointing=cfg.parallel.activation_checkpointing,
+        checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type,
+        reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
+        prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
+        contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+        max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+        sub_group_size=dsc.sub_group_size(ds),
+        swap_buffers=int((zero.get("offload_optimizer") or {}).get("buffer_count", 4)),
+        param_max_in_cpu=float(offload_param.get("max_in_cpu", 1e9)),
+        param_buffers=int(offload_param.get("buffer_count", 5)),
+        param_buffer_size=float(offload_param.get("buffer_size", 1e8)))
+
+
+def shape_for_run(cfg, vocab: int = None, shape=None):
+    """The shape a run's estimate counts: `vocab` the run's tokenizer's vocabulary when the
+    caller knows it (else the named tokenizer's, or the preset's); `shape` the config's resolved
+    shape where the caller has it (the plan)."""
     from dr_scale.models.build import resolve_shape, vocab_for
 
     if vocab is None and cfg.model.vocab_size is None and cfg.data.tokenizer:
@@ -327,29 +335,13 @@ def estimate_for_run(cfg, ds: dict, world: int, device_type: str = "cpu",
 
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
     if shape is None:
-        shape = resolve_shape(cfg.model, vocab)
-    elif vocab is not None:
-        shape = dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, vocab))
-    zero = ds.get("zero_optimization", {})
-    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
-    offload_param = zero.get("offload_param") or {}
-    stage = dsc.zero_stage(ds)
-    # DeepSpeed's defaults where the config is silent (ZeRO-3 spells its bucket sizes
-    # stage3_*; contiguous_gradients defaults on)
-    buckets = dict(reduce_bucket=float(zero.get("reduce_bucket_size", 5e8)),
-                   prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
-                   max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
-                   sub_group_size=dsc.sub_group_size(ds),
-                   swap_buffers=int((zero.get("offload_optimizer") or {}).get("buffer_count", 4)),
-                   contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
-                   offload_param=offload_param.get("device", "none"),
-                   param_max_in_cpu=float(offload_param.get("max_in_cpu", 1e9)),
-                   param_buffers=int(offload_param.get("buffer_count", 5)),
-                   param_buffer_size=float(offload_param.get("buffer_size", 1e8)))
-    args = dict(precision=dsc.precision(ds), zero_stage=stage, **buckets,
-                offload_optimizer=offload, world=world, tp=cfg.parallel.tensor_parallel,
-                pp=cfg.parallel.pipeline_parallel, vocab_parallel=cfg.parallel.vocab_parallel,
-                micro_batch=cfg.train.micro_batch_size, seq_length=cfg.data.seq_length,
-                checkpointing=cfg.parallel.activation_checkpointing,
-                checkpoint_every=cfg.parallel.checkpoint_every, device_type=device_type)
-    return estimate(shape, **{**args, **changes})
+        return resolve_shape(cfg.model, vocab)
+    if vocab is not None:
+        return dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, vocab))
+    return shape
+
+
+def estimate_for_run(cfg, ds: dict, topology: Topology, device_type: str = "cpu",
+                     vocab: int = None) -> MemoryEstimate:
+    """The estimate of a run as configured (`dr-scale estimate`, the memory check)."""
+    return estimate(shape_for_run(cfg, vocab), inputs_for_run(cfg, ds, topology, device_type))

@@ -12,14 +12,16 @@ made smaller (the step's fp32 gradient a sub-group of zero3's size at a time: fr
 more compute), optimizer offload to host memory (slower steps), optimizer state on NVMe (slower
 still), then more ranks (more machines).
 """
+import dataclasses
 import os
 from typing import Optional
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import pad_vocab
-from dr_scale.parallel.estimate import estimate_for_run
-from dr_scale.train.metrics import format_bytes
+from dr_scale.parallel.estimate import estimate, inputs_for_run, shape_for_run
+from dr_scale.parallel.topology import Topology
+from dr_scale.units import format_bytes
 
 
 LIVE = 1e8  # gathered parameters ZeRO-3 keeps live (DeepSpeed's default: 1e9)
@@ -44,7 +46,7 @@ def run_vocab(cfg) -> Optional[int]:
     return None
 
 
-def rank_limit(device_type: str, world: int) -> tuple:
+def rank_limit(device_type: str, topology: Topology) -> tuple:
     """(bytes one rank may use, what that is) on this node."""
     if device_type == "cuda":
         import torch
@@ -54,17 +56,20 @@ def rank_limit(device_type: str, world: int) -> tuple:
         return props.total_memory, f"{format_bytes(props.total_memory)} on the {props.name}"
     import psutil
 
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world))
     available = psutil.virtual_memory().available
     return available // ranks_here, (f"{format_bytes(available)} of host memory available, "
                                      f"shared by {ranks_here} rank(s) on this node")
 
 
-def check(cfg, ds: dict, world: int, device_type: str, source: str, shape=None):
-    """`shape`: the config's resolved shape, where the caller has it (the plan)."""
-    vocab = run_vocab(cfg)
-    need = estimate_for_run(cfg, ds, world, device_type, vocab, shape).peak
-    limit, what = rank_limit(device_type, world)
+def refuse_if_too_big(cfg, ds: dict, topology: Topology, device_type: str, source: str,
+                      shape=None):
+    """The refusal, with the cheapest change that fits; `shape`: the config's resolved shape,
+    where the caller has it (the plan)."""
+    shape = shape_for_run(cfg, run_vocab(cfg), shape)
+    inputs = inputs_for_run(cfg, ds, topology, device_type)
+    need = estimate(shape, inputs).peak
+    limit, what = rank_limit(device_type, topology)
     kept = device_type == "cpu" and not cfg.train.release_host_memory
     margin = KEPT_PAGES if kept else 1.0
     if need * margin <= limit:
@@ -93,13 +98,12 @@ def check(cfg, ds: dict, world: int, device_type: str, source: str, shape=None):
     fixes.append(("optimizer state on NVMe (--ds_config zero3_nvme)",
                   dict(zero_stage=3, offload_optimizer="nvme", sub_group_size=2e7)))
     for factor in (2, 4, 8, 16, 32, 64):
-        fixes.append((f"{world * factor} ranks with ZeRO-3", dict(zero_stage=3,
-                                                                 world=world * factor)))
+        more = topology.with_world(topology.world * factor)
+        fixes.append((f"{more.world} ranks with ZeRO-3", dict(zero_stage=3, topology=more)))
     cheapest = "none of ZeRO-3, checkpointing, offload or 64x the ranks fits"
     for name, change in fixes:
-        ranks = change.pop("world", world)
         fix_margin = change.pop("margin", margin)
-        fits = estimate_for_run(cfg, ds, ranks, device_type, vocab, shape, **change)
+        fits = estimate(shape, dataclasses.replace(inputs, **change))
         if fits.peak * fix_margin <= limit:
             cheapest = f"cheapest change that fits: {name} ({format_bytes(fits.peak)} a rank)"
             break

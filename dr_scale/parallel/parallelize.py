@@ -18,13 +18,13 @@ this rank keeps of it is made real (parallel/sharded_build.materialize).
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from deepspeed.utils import groups
 from torch import nn
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel import checkpointing, sequence
-from dr_scale.parallel.pipeline import pipeline_check, to_pipeline
+from dr_scale.parallel import pipeline
+from dr_scale.parallel.pipeline import to_pipeline
 from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
 from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_model
 from dr_scale.parallel.topology import Topology
@@ -34,7 +34,7 @@ from dr_scale.parallel.topology import Topology
 class Parallelized:
     model: nn.Module           # the plain model, or a PipelineModule of its stages
     ds: dict                   # the DeepSpeed config, its tensor_parallel section added under TP
-    mpu: Optional[Any] = None  # DeepSpeed's (data, tensor) mesh under TP without a pipeline
+    mpu: Optional[Any] = None  # DeepSpeed's (data, tensor) mesh under AutoTP (Topology.groups)
     sequence_parallel: bool = False
 
     def after_engine(self, engine):
@@ -42,12 +42,12 @@ class Parallelized:
             sequence.apply(engine.module, engine.module.shape.arch)
 
 
-def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
+def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
     """Every refusal, before anything is built: dr_scale/plan.py runs it before the process
     group starts."""
     p, zero = cfg.parallel, dsc.zero_stage(ds)
     if topo.pipeline > 1:
-        pipeline_check(shape, topo.pipeline)
+        pipeline.refusals(shape, topo.pipeline)
     if topo.pipeline > 1 and zero >= 2:
         raise DrScaleError(f"{ds_path}: zero_optimization.stage={zero} with "
                            f"parallel.pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline engine "
@@ -57,36 +57,33 @@ def check(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
         if topo.pipeline == 1:
             autotp_section(shape, topo.tensor, p.vocab_parallel)
     if p.sequence_parallel:
-        sequence.check(shape, topo.tensor, cfg.data.seq_length, p.vocab_parallel, topo.pipeline)
+        sequence.refusals(shape, topo.tensor, cfg.data.seq_length, p.vocab_parallel, topo.pipeline)
     if p.activation_checkpointing != "none":
-        checkpointing.check(ds, source=str(ds_path))
+        checkpointing.refusals(ds, source=str(ds_path))
     if cfg.model.compile:
-        checkpointing.check_compile(zero, p.activation_checkpointing)
+        checkpointing.compile_refusals(zero, p.activation_checkpointing)
 
 
-def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict, ds_path,
+def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
                 weights=None) -> Parallelized:
     """`weights`: the init_from folder's (HFWeights) for a model built on meta, or None."""
     p = cfg.parallel
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
-    mpu = None  # (1, the refusals: `check`, run once in the plan before the process group)
-    if topo.tensor > 1 and topo.pipeline == 1:                                       # 2
+    mpu = None  # (1, the refusals: `refusals`, run once in the plan before the process group)
+    if topo.autotp:                                                                  # 2
         ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
-        groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
-        shard_model(model, shape, topo.tensor, p.vocab_parallel)
-        mpu = groups  # DeepSpeed's batch check then counts data-parallel ranks only
-    checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu,  # 3
-                        source=str(ds_path))
+        shard_model(model, shape, topo, p.vocab_parallel)
+        mpu = topo.groups.mpu  # DeepSpeed's batch check then counts data-parallel ranks only
+    checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu)  # 3
     if cfg.model.compile:                                                              # 4
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
-    if topo.pipeline > 1:                                                              # 5
-        model = to_pipeline(model, shape, topo.pipeline, topo.data, topo.tensor,
-                            document_mask=cfg.data.document_mask,
+    if topo.pipelined:                                                                 # 5
+        model = to_pipeline(model, shape, topo, document_mask=cfg.data.document_mask,
                             reset_positions=cfg.data.reset_positions, weights=weights,
                             dtype=dtype)
     else:  # (a pipeline makes its layers real as it builds them)
         partition = None
-        if topo.tensor > 1 and dsc.zero_stage(ds) == 3:
-            partition = zero3_partitioner(ds, groups)
+        if topo.sliced and dsc.zero_stage(ds) == 3:
+            partition = zero3_partitioner(ds, topo.groups.mpu)
         materialize(model, weights, dtype, partition)
     return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

@@ -17,7 +17,6 @@ its per-layer checkpoint files back to the model's names (export/checkpoint_sour
 import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from dr_scale.errors import DrScaleError
@@ -83,8 +82,8 @@ def pipeline_loss(logits, labels):
     return ops.cross_entropy(logits, labels)
 
 
-def pipeline_check(shape, stages: int):
-    """The refusals of a pipelined layout, before anything is built (parallelize.check)."""
+def refusals(shape, stages: int):
+    """The refusals of a pipelined layout, before anything is built (parallelize.refusals)."""
     if not spec_of(shape.arch).pipeline:
         raise DrScaleError(f"parallel.pipeline_parallel: model.arch {shape.arch} has no "
                            f"pipeline layout (its ModelSpec's `pipeline`)")
@@ -93,18 +92,16 @@ def pipeline_check(shape, stages: int):
                            f"{shape.num_layers}: every stage needs a block")
 
 
-def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor_parallel=1,
-                checkpoint_every=0, document_mask=False, reset_positions=False, weights=None,
-                dtype=None):
-    """A PipelineModule over `stages` stages built from `model` (on meta or real), cut where its
-    family's PipelineLayout says; with tensor_parallel > 1 its grid holds the tensor groups, and
-    each stage's linears are split across its group. `weights`: an init_from folder's
-    (HFWeights), or None; `dtype`: the training precision the layers are made real in."""
+def to_pipeline(model: nn.Module, shape, topo, checkpoint_every=0, document_mask=False,
+                reset_positions=False, weights=None, dtype=None):
+    """A PipelineModule over the Topology's stages built from `model` (on meta or real), cut
+    where its family's PipelineLayout says, over the grid of the Topology's process groups;
+    under tensor parallelism each stage's linears are split across the tensor group.
+    `weights`: an init_from folder's (HFWeights), or None; `dtype`: the training precision the
+    layers are made real in."""
     where = spec_of(shape.arch).pipeline
     part = lambda path: None if path is None else model.get_submodule(path)  # noqa: E731
-    topo = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor_parallel,
-                                          num_dp=data_parallel)
-    ready = _preparer(shape, topo, tensor_parallel, weights, dtype)
+    ready = _preparer(shape, topo, weights, dtype)
     embedding = EmbeddingStage(part(where.embedding).weight, part(where.positions),
                                part(where.dropout))
     if shape.tie_embeddings:
@@ -118,27 +115,20 @@ def to_pipeline(model: nn.Module, shape, stages: int, data_parallel: int, tensor
                                               i == len(blocks) - 1), ready)
                        for i, b in enumerate(blocks)), _BuiltLayer(part(where.norm), ready),
               head]
-    pipe = _PipelineOfBuiltLayers(layers=layers, loss_fn=pipeline_loss, topology=topo,
+    pipe = _PipelineOfBuiltLayers(layers=layers, loss_fn=pipeline_loss,
+                                  topology=topo.groups.pipe_topology,
                                   partition_method="parameters",
                                   activation_checkpoint_interval=checkpoint_every)
     pipe.shape = shape  # the trainer and checkpoints read the model's shape from the module
     return pipe
 
 
-def _preparer(shape, topo, tensor_parallel: int, weights, dtype):
-    """What makes a layer of this rank's stage ready: its tensor-parallel slices, then real
-    values (the initial ones, or `weights`'s)."""
-    group = None
-    if tensor_parallel > 1:
-        from deepspeed.runtime.pipe.topology import PipelineParallelGrid
-
-        # The PipelineModule makes the same grid again; its tensor groups are needed before,
-        # while its layers are built, and the group is the same set of ranks.
-        group = PipelineParallelGrid(topology=topo).get_slice_parallel_group()
-
+def _preparer(shape, topo, weights, dtype):
+    """What makes a layer of this rank's stage ready: its tensor-parallel slices (over the
+    Topology's tensor group), then real values (the initial ones, or `weights`'s)."""
     def ready(layer: nn.Module):
-        if group is not None:
-            shard_pipeline_layer(layer, shape, tensor_parallel, group)
+        if topo.sliced:
+            shard_pipeline_layer(layer, shape, topo.tensor, topo.tensor_group)
         materialize(layer, weights, dtype)
 
     return ready

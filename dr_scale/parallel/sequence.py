@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.errors import DrScaleError
 from dr_scale.models.build import spec_of
 from dr_scale.models.lm_head import fuse_vocab_parallel_head, fuses_loss
@@ -111,7 +111,7 @@ def _sum_over(group):
     return hook
 
 
-def check(shape, tp: int, seq_length: int, vocab_parallel: bool, pipeline: int):
+def refusals(shape, tp: int, seq_length: int, vocab_parallel: bool, pipeline: int):
     if spec_of(shape.arch).sequence_parallel is None:
         raise DrScaleError(f"parallel.sequence_parallel: built for llama models; model.arch is "
                            f"{shape.arch}")

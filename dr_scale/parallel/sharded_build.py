@@ -21,7 +21,7 @@ import os
 import torch
 from torch import nn
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.models import build_model
 from dr_scale.models.build import construct, initialize
 from dr_scale.models.layers import initial_rules, initial_value
@@ -31,15 +31,11 @@ ORIGIN = "dr_origin"  # attribute of a parameter built on meta: (name, whole sha
 
 
 def builds_sharded(ds: dict, topo: Topology) -> bool:
-    return dsc.zero_stage(ds) == 3 and not builds_on_meta(topo)
-
-
-def builds_on_meta(topo: Topology) -> bool:
-    return topo.tensor > 1 or topo.pipeline > 1
+    return dsc.zero_stage(ds) == 3 and not topo.builds_on_meta
 
 
 def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
-    if builds_on_meta(topo):
+    if topo.builds_on_meta:
         model = build_model(shape, device="meta")
         for name, rule in initial_rules(model, shape.init_std, shape.num_layers).items():
             param = model.get_parameter(name)

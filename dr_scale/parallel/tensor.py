@@ -56,9 +56,9 @@ def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
     return section
 
 
-def shard_model(model, shape, tp: int, vocab_parallel: bool):
-    """Partition the model's linears by its plan over DeepSpeed's tensor group (its (data,
-    tensor) mesh, made by parallelize) before deepspeed.initialize, as the engine would inside
+def shard_model(model, shape, topo, vocab_parallel: bool):
+    """Partition the model's linears by its plan over the Topology's tensor group (DeepSpeed's
+    (data, tensor) mesh, made by `Topology.with_groups`) before deepspeed.initialize, as the engine would inside
     it: on a model built on the meta device only this rank's slices are ever made real
     (parallel/sharded_build.py). The engine then finds the model partitioned (DeepSpeed's
     `ds_autotp_parsed` mark) and keeps the rest of its tensor-parallel setup."""
@@ -66,10 +66,9 @@ def shard_model(model, shape, tp: int, vocab_parallel: bool):
                                                 collect_autotp_universal_checkpoint_info)
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     from deepspeed.sequence.cross_entropy import configure_vocab_parallel_loss
-    from deepspeed.utils import groups
 
-    _autotp(model, autotp_section(shape, tp, vocab_parallel), tp,
-            groups.get_tensor_model_parallel_group())
+    tp = topo.tensor
+    _autotp(model, autotp_section(shape, tp, vocab_parallel), tp, topo.tensor_group)
     heads = [m for m in model.modules() if isinstance(m, VocabParallelLinear)]
     if vocab_parallel:
         if len(heads) != 1:  # the plan names one head; DeepSpeed's loss needs exactly one

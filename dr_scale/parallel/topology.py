@@ -7,8 +7,15 @@ PipeModelDataParallelTopology and its AutoTP mesh (data, tensor) lay them out: t
 tensor-parallel group are consecutive (one node holds a group when ranks per node is a multiple
 of the TP size), and each pipeline stage is a contiguous block of ranks. Sequence parallelism
 splits the sequence over the tensor group, so it adds no dimension of its own.
+
+The plan holds a rank-less Topology (sizes and layout rules, `rank` 0); `start_group` makes this
+rank's, with its process groups (`with_groups`): DeepSpeed's (data, tensor) mesh for AutoTP, or
+the pipeline grid DeepSpeed's PipelineModule is built over, made once and handed to everything
+that needs a group.
 """
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from dr_scale.errors import DrScaleError
 
@@ -20,6 +27,7 @@ class Topology:
     pipeline: int = 1
     rank: int = 0                    # this process's global rank
     sequence_parallel: bool = False  # the sequence split over the tensor group
+    groups: Optional["ProcessGroups"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for key, v in (("tensor_parallel", self.tensor), ("pipeline_parallel", self.pipeline)):
@@ -35,6 +43,10 @@ class Topology:
     def from_config(cls, world: int, parallel_cfg, rank: int = 0) -> "Topology":
         return cls(world, parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel, rank,
                    parallel_cfg.sequence_parallel)
+
+    def with_world(self, world: int) -> "Topology":
+        """The same layout over `world` ranks (the memory check's what-if: more ranks)."""
+        return dataclasses.replace(self, world=world, rank=0, groups=None)
 
     @property
     def data(self) -> int:
@@ -56,10 +68,78 @@ class Topology:
     def tensor_rank(self) -> int:
         return self.coords()["tensor"]
 
+    @property
+    def sliced(self) -> bool:
+        """The linears are split over a tensor-parallel group."""
+        return self.tensor > 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline > 1
+
+    @property
+    def autotp(self) -> bool:
+        """Tensor parallel by DeepSpeed's AutoTP over its (data, tensor) mesh: without pipeline
+        stages (under them each stage's linears split over the pipeline grid's tensor group)."""
+        return self.sliced and not self.pipelined
+
+    @property
+    def loss_in_model(self) -> bool:
+        """The model's forward computes the fused chunked loss; a pipeline's last stage computes
+        the logits, then DeepSpeed's loss function takes them."""
+        return not self.pipelined
+
+    @property
+    def builds_on_meta(self) -> bool:
+        """The model is built on the meta device and only this rank's slices of its stage are
+        made real (parallel/sharded_build.py)."""
+        return self.sliced or self.pipelined
+
     def head_slices(self, vocab_parallel: bool) -> int:
         """Vocabulary slices of the LM head: the tensor group's size when parallel.vocab_parallel
         applies (tensor parallel without pipeline stages, which keep the head whole), else 1."""
-        return self.tensor if vocab_parallel and self.tensor > 1 and self.pipeline == 1 else 1
+        return self.tensor if vocab_parallel and self.autotp else 1
 
     def describe(self) -> str:
         return f"DP {self.data} x TP {self.tensor} x PP {self.pipeline} = {self.world} rank(s)"
+
+    def with_groups(self) -> "Topology":
+        """This rank's Topology with its process groups made (once, after the process group
+        starts: every rank calls it, as making a group is collective)."""
+        return dataclasses.replace(self, groups=ProcessGroups.make(self))
+
+    @property
+    def tensor_group(self):
+        """This rank's tensor-parallel process group (None without tensor parallelism)."""
+        return self.groups.tensor if self.groups is not None else None
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """This rank's process groups beyond the world. DeepSpeed keeps AutoTP's (data, tensor) mesh
+    in its module-global `deepspeed.utils.groups`, which its engine reads as the `mpu`; a
+    pipeline's grid is made by its PipelineModule from `pipe_topology`, and its tensor groups are
+    needed before that, while the stages' layers are split."""
+    mpu: Any = None            # deepspeed.utils.groups with its mesh made (AutoTP), else None
+    tensor: Any = None         # this rank's tensor-parallel group
+    pipe_topology: Any = None  # DeepSpeed's PipeModelDataParallelTopology (pipelined)
+
+    @classmethod
+    def make(cls, topo: Topology) -> "ProcessGroups":
+        if topo.autotp:
+            from deepspeed.utils import groups
+
+            groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
+            return cls(mpu=groups, tensor=groups.get_tensor_model_parallel_group())
+        if topo.pipelined:
+            from deepspeed.runtime.pipe.topology import (PipeModelDataParallelTopology,
+                                                         PipelineParallelGrid)
+
+            pipe = PipeModelDataParallelTopology(num_pp=topo.pipeline, num_mp=topo.tensor,
+                                                 num_dp=topo.data)
+            # The PipelineModule makes this grid again from the same topology (it takes no grid):
+            # the same sets of ranks, so the tensor group made here is its slice group.
+            tensor = (PipelineParallelGrid(topology=pipe).get_slice_parallel_group()
+                      if topo.sliced else None)
+            return cls(tensor=tensor, pipe_topology=pipe)
+        return cls()

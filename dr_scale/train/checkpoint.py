@@ -16,9 +16,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from dr_scale import ds_config as dsc, nvme_offload
+from dr_scale.config import ds_config as dsc
+from dr_scale.runtime import nvme_offload
 from dr_scale.models.build import spec_of
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
@@ -179,16 +179,16 @@ def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
                                            else family)
 
 
-def load(engine, ckpt_dir: Path, expected_model: dict, plan: str = "direct",
+def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
          target_stage: int = 0):
     """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
     changed number of ranks every rank takes rank 0's state (all ranks' states are equal: one
     seed, data position by step)."""
     ckpt_dir = Path(ckpt_dir)
-    rank = dist.get_rank()
+    rank = topology.rank
     tag = find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    load_dir = (universal_dir(ckpt_dir, target_stage, dist.get_world_size())
+    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world)
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)
     state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)

@@ -36,7 +36,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm, nvme_offload
+from dr_scale.runtime import comm, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
                                        fsync_file, tag_for, write_atomic)
@@ -64,9 +64,10 @@ class FileLedger:
 
 
 class CheckpointWriter:
-    def __init__(self, engine, ckpt_dir: Path, keep_last: int = 0, asynchronous: bool = False,
-                 timeout_s: int = 600):
-        self.engine, self.ckpt_dir = engine, Path(ckpt_dir)
+    def __init__(self, engine, ckpt_dir: Path, topology, keep_last: int = 0,
+                 asynchronous: bool = False, timeout_s: int = 600):
+        """`topology`: the run's (this rank's place)."""
+        self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), topology.rank
         self.keep_last, self.asynchronous = keep_last, asynchronous
         self.ledger = FileLedger(engine.checkpoint_engine)
         engine.checkpoint_engine = self.ledger
@@ -85,7 +86,7 @@ class CheckpointWriter:
         once complete. Asynchronous: None at once; `wait` returns that triple when complete."""
         self.wait()  # one save at a time
         t0 = time.perf_counter()
-        tag, rank = tag_for(step), dist.get_rank()
+        tag, rank = tag_for(step), self.rank
         staging = self.ckpt_dir / STAGING
         from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
                                                     UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -206,7 +207,7 @@ class CheckpointWriter:
                                "its files") + f"; {self.ckpt_dir / LATEST} still names the "
                                "previous checkpoint")
         staging, final = self.ckpt_dir / STAGING, self.ckpt_dir / tag
-        if dist.get_rank() == 0:
+        if self.rank == 0:
             for d in sorted({f.parent for f in files} | {staging / tag}):
                 fsync_dir(d)  # the new names in the folder, where this rank made them
             if final.exists():  # the same step saved again after a resume: replace it whole
@@ -221,7 +222,7 @@ class CheckpointWriter:
             fsync_dir(self.ckpt_dir)
             write_atomic(self.ckpt_dir / LATEST, tag + "\n")
         comm.barrier(group=group)  # the checkpoint is complete for every rank
-        if dist.get_rank() == 0 and self.keep_last > 0:
+        if self.rank == 0 and self.keep_last > 0:
             # after the barrier: the other ranks are training while old ones go
             for old in complete_tags(self.ckpt_dir)[:-self.keep_last]:
                 if old != tag:

@@ -7,6 +7,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from dr_scale.units import format_bytes
+
 
 def peak_memory_bytes(device_type: str) -> int:
     """Peak memory of this rank since the last `reset_peak_memory`: accelerator allocations on a
@@ -39,13 +41,6 @@ def reset_peak_memory(device_type: str):
             f.write("5")
     except OSError:
         pass
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
 
 
 def console_line(rec: dict, max_steps: int) -> str:

@@ -17,9 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from dr_scale import disk_cache
-from dr_scale import ds_config as dsc
-from dr_scale.hardware import cpu_bf16_support, cpu_model
+from dr_scale.runtime import disk_cache
+from dr_scale.config import ds_config as dsc
+from dr_scale.runtime.hardware import cpu_bf16_support, cpu_model
 
 # Dense TFLOP/s by part, from the vendors' datasheets: (patterns all in the lowercased device
 # name, {precision: TFLOP/s}). First match wins, so a part precedes the parts its name contains

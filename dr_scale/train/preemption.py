@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from dr_scale import nvme_offload
+from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
                                        saved_sub_group_size, saved_zero_family, universal_dir)

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dr_scale import comm, nvme_offload
-from dr_scale import ds_config as dsc
+from dr_scale.runtime import comm, nvme_offload
+from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position
 from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universal_ready,

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dr_scale import ds_config as dsc
+from dr_scale.config import ds_config as dsc
 from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.documents import DocumentBoundaries
-from dr_scale.distributed import threads_per_rank
-from dr_scale.models.build import count_parameters, flops_per_token, recompute_flops_per_token
+from dr_scale.runtime.process_group import threads_per_rank
+from dr_scale.models.build import count_parameters, spec_of
 from dr_scale.train import host_memory
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
@@ -28,13 +28,15 @@ class RunFacts:
     peak: Peak
 
 
-def run_facts(model, shape, cfg, precision: str, device, layout, topo) -> RunFacts:
+def run_facts(model, shape, cfg, precision: str, device, batch_sizes, topo) -> RunFacts:
     """Counted from the shape; the peak measured now on CPU (before any data worker starts),
     at this rank's largest matmul of a micro-batch."""
     seq, p = cfg.data.seq_length, cfg.parallel
-    fpt = flops_per_token(shape, seq)
-    hw = fpt + recompute_flops_per_token(shape, seq, p.activation_checkpointing, p.checkpoint_every)
-    gemm = largest_gemm(shape, layout["micro"] * seq, topo.tensor)
+    spec = spec_of(shape.arch)
+    fpt = spec.flops_per_token(shape, seq)
+    hw = fpt + spec.recompute_flops_per_token(shape, seq, p.activation_checkpointing,
+                                              p.checkpoint_every)
+    gemm = largest_gemm(shape, batch_sizes["micro"] * seq, topo.tensor)
     return RunFacts(count_parameters(model), fpt, hw, peak_flops(precision, device, gemm))
 
 
@@ -56,7 +58,7 @@ def write_run_snapshot(plan, group, ds: dict, shape, facts: RunFacts, sources):
                  "tokenizer_sha256": sources.tokenizer.sha256,
                  "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
                               for d, w in zip(sources.train.datasets, sources.train.weights)]},
-        "batch": group.layout,
+        "batch": group.batch_sizes,
         "peak_flops": {"value": facts.peak.value, "source": facts.peak.source}})
     if not resume:
         shutil.copyfile(sources.tokenizer.path, group.run_dir / sources.tokenizer.file_name)
@@ -66,14 +68,14 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
                 offload_note=None):
     """What rank 0 says before the first step: world, precision and why, model, batch, layout,
     kernels, optimizer, the peak, and warnings (bf16 emulated, data, host memory)."""
-    t, c, layout, ds = group.topology, plan.cfg, group.layout, group.ds
+    t, c, b, ds = group.topology, plan.cfg, group.batch_sizes, group.ds
     why, warning = dsc.bf16_choice(plan.raw_ds, plan.bf16, str(plan.ds_path))
     yield (f"dr_scale: {t.world} rank(s) ({group.local_world} on this node), "
            f"{group.device.type}, {dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, "
            f"{plan.precision}{f' ({why})' if why else ''}; model {c.model.preset} "
            f"({shape.arch}) {facts.parameters / 1e6:.2f}M parameters; batch "
-           f"{layout['micro']} x {layout['accum']} accumulation x {t.data} data-parallel = "
-           f"{layout['global']} x {c.data.seq_length} tokens; run folder {group.run_dir}")
+           f"{b['micro']} x {b['accum']} accumulation x {t.data} data-parallel = "
+           f"{b['global']} x {c.data.seq_length} tokens; run folder {group.run_dir}")
     if warning:
         yield warning
     documents = DocumentBoundaries.of(c.data, sources.tokenizer)

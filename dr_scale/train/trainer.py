@@ -1,4 +1,5 @@
-"""The training loop over a DeepSpeed engine."""
+"""The training loop over a DeepSpeed engine: the cadence of a run (log, evaluate, save, stop
+signals) around the steps its engine kind runs (train/step_runner.py)."""
 import contextlib
 import math
 import time
@@ -7,11 +8,11 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
-from dr_scale.train import checkpoint, hangs, host_memory
+from dr_scale.train import checkpoint, hangs, step_runner
 from dr_scale.train.checkpoint_writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList
 from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
@@ -19,19 +20,18 @@ from dr_scale.train.preemption import StopSignals
 
 
 class Trainer:
-    def __init__(self, engine, cfg, sources, layout, topology, run_dir, logger, facts, device,
+    def __init__(self, engine, cfg, sources, batch_sizes, topology, run_dir, logger, facts, device,
                  callbacks=(), stop_at_step=None, resume_plan="direct"):
         """`topology`: dr_scale.parallel.topology.Topology; `facts`: train.start.RunFacts (FLOPs
         per token with and without recomputation, this rank's peak)."""
-        self.engine, self.cfg, self.sources, self.layout = engine, cfg, sources, layout
+        self.engine, self.cfg, self.sources, self.batch_sizes = engine, cfg, sources, batch_sizes
         self.topology = topology
         self.dp_size, self.dp_rank = topology.data, topology.data_rank
         self.run_dir, self.logger = Path(run_dir), logger
         self.flops_per_token, self.peak = facts.flops_per_token, facts.peak
         self.hardware_flops_per_token = facts.hardware_flops_per_token
-        self.pipelined = hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
-        self._phase_s = ({"pipeline_step": 0.0} if self.pipelined else
-                         {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0})
+        self.steps = step_runner.for_topology(topology, self)  # plain or pipeline engine
+        self._phase_s = dict.fromkeys(self.steps.phases, 0.0)
         self.device = device
         self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
         self.resume_plan = resume_plan
@@ -42,10 +42,10 @@ class Trainer:
         self.stop = None     # the step this invocation ends at (set by fit)
         self.step = 0  # optimizer steps done (the schedule, max_steps and intervals count these)
         self.consumed_samples = 0  # the data position: samples read so far, on all ranks
-        self.tokens_per_step = layout["global"] * cfg.data.seq_length
+        self.tokens_per_step = batch_sizes["global"] * cfg.data.seq_length
         self.model_signature = engine.module.shape.weights_signature()
         self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
-        self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints",
+        self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints", topology,
                                        cfg.train.keep_checkpoints, cfg.train.async_save,
                                        cfg.train.collective_timeout_s)
 
@@ -78,7 +78,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples,
-                "global_batch": self.layout["global"],
+                "global_batch": self.batch_sizes["global"],
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
                 "parallel": {"tensor": self.topology.tensor,
                              "pipeline": self.topology.pipeline},
@@ -111,17 +111,17 @@ class Trainer:
     def resume(self):
         with hangs.doing("checkpoint load"):
             state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                          self.model_signature, self.resume_plan,
+                                          self.topology, self.model_signature, self.resume_plan,
                                           self.engine.zero_optimization_stage())
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         checkpoint.set_rng_state(state["rng"])
         self.callbacks.load_state_dict(state.get("callbacks", {}), self, self.logger.info)
         self.last_checkpoint = path
-        was = int(state.get("global_batch", self.layout["global"]))
-        change = (f"; global batch {was} -> {self.layout['global']} samples, the data continues "
+        was = int(state.get("global_batch", self.batch_sizes["global"]))
+        change = (f"; global batch {was} -> {self.batch_sizes['global']} samples, the data continues "
                   f"at the next sample and the schedule at the next step"
-                  if was != self.layout["global"] else "")
+                  if was != self.batch_sizes["global"] else "")
         self.logger.info(f"resumed from {path} at step {self.step} "
                          f"({self.consumed_samples} samples consumed{change})")
         self.callbacks.fire("on_resume", self, self.step, path)
@@ -132,23 +132,14 @@ class Trainer:
         """Mean held-out token loss over all data-parallel ranks, with the current weights."""
         self.engine.eval()
         totals = torch.zeros(2, dtype=torch.float64)
-        last_shape = None
-        for batch in eval_batches(self.sources.valid, self.layout["micro"], self.dp_size,
+        for batch in eval_batches(self.sources.valid, self.batch_sizes["micro"], self.dp_size,
                                   self.dp_rank):
             batch = batch.to(self.device)
-            if self.pipelined:
-                if batch.shape != last_shape:  # the stages keep their buffers' shapes otherwise
-                    self.engine.reset_activation_shape()
-                    last_shape = batch.shape
-                loss = self.engine.eval_batch(iter([self._pipeline_sample(batch)]),
-                                              num_micro_batches=1)
-            else:
-                loss = self._forward(batch)
+            loss = self.steps.eval_loss(batch)
             tokens = batch[:, 1:].numel()
             totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
         comm.all_reduce(totals)
-        if self.pipelined and last_shape is not None:
-            self.engine.reset_activation_shape()  # training batches may differ from the last one
+        self.steps.eval_done()
         self.engine.train()
         _forget_zero3_trace(self.engine)
         self._eval_tokens = int(totals[1])
@@ -176,7 +167,7 @@ class Trainer:
         self.callbacks.fire("on_train_start", self)
         if self.step == 0 and t.eval_at_start:
             self.evaluate()
-        loader = train_loader(self.sources.train, self.layout, self.dp_size, self.dp_rank,
+        loader = train_loader(self.sources.train, self.batch_sizes, self.dp_size, self.dp_rank,
                               self.consumed_samples, stop - self.step, self.cfg.data.num_workers)
         for cb in self.callbacks.callbacks:
             loader = cb.wrap_loader(self, loader)
@@ -186,28 +177,9 @@ class Trainer:
             hangs.now(f"step {self.step + 1}")
             self.callbacks.fire("before_step", self, self.step)
             lr = self.current_lr()
-            step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
-            if self.pipelined:  # DeepSpeed's pipeline engine runs the step's micro-batches
-                step_loss += self._pipeline_step(batches) * self.layout["accum"]
-            for micro in range(0 if self.pipelined else self.layout["accum"]):
-                batch = next(batches).to(self.device, non_blocking=True)
-                with self._phase("forward"):
-                    loss = self._forward(batch)
-                self.last_loss = loss.detach()
-                with self._phase("backward"):
-                    self.engine.backward(loss)
-                    if t.release_host_memory:  # before the step's fp32 gradients come on top
-                        host_memory.release_freed()
-                self.callbacks.fire("after_backward", self, self.step, micro)
-                if micro == self.layout["accum"] - 1:
-                    with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
-                        self.writer.before_update()  # they read the weights we now change
-                with self._phase("optimizer_step"):
-                    self.engine.step()
-                step_loss += loss.detach().float()
+            window_losses.append(self.steps.train_step(batches))
             self.step += 1
-            self.consumed_samples += self.layout["global"]
-            window_losses.append(step_loss / self.layout["accum"])
+            self.consumed_samples += self.batch_sizes["global"]
             record = None
             if self.will_log(self.step):
                 with hangs.doing(f"step {self.step} metrics"):
@@ -241,7 +213,7 @@ class Trainer:
         self.callbacks.fire("on_exit", self)
 
     @contextlib.contextmanager
-    def _phase(self, name):
+    def phase(self, name):
         """A named range for profilers; with logging.step_breakdown, also its wall time (the
         device is synchronized around it, so only benchmarks switch it on)."""
         timed = self.cfg.logging.step_breakdown
@@ -264,29 +236,6 @@ class Trainer:
         out = {f"time_{k}_s": v / steps for k, v in self._phase_s.items()}
         self._phase_s = dict.fromkeys(self._phase_s, 0.0)
         return out
-
-    def _forward(self, batch):
-        """The mean loss of a (micro, seq + 1) token batch: inputs, shifted labels, and where
-        packed documents begin when data.document_mask / data.reset_positions ask for it."""
-        inputs = batch[:, :-1]
-        return self.engine(inputs, batch[:, 1:], **self.documents.model_inputs(inputs))
-
-    def _pipeline_sample(self, batch):
-        """(inputs, labels) as the pipeline's first and last stages take them; with packed
-        documents the inputs are (tokens, document ids, positions), carried through every stage."""
-        return self.documents.pipeline_inputs(batch[:, :-1]), batch[:, 1:]
-
-    def _pipeline_step(self, batches):
-        micro = [next(batches).to(self.device, non_blocking=True)
-                 for _ in range(self.layout["accum"])]
-        # the pipeline engine steps the optimizer inside train_batch: no overlap to be had
-        with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
-            self.writer.before_update()
-        with self._phase("pipeline_step"):
-            loss = self.engine.train_batch(data_iter=iter([self._pipeline_sample(b)
-                                                           for b in micro]))
-        self.last_loss = loss.detach()
-        return loss.detach().float()
 
     def _train_record(self, window_losses, seconds, lr) -> dict:
         """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""

@@ -59,7 +59,7 @@ def overrides(family: str) -> list:
 
 def engine_for(family, precision, topo, ds_name, init_from=None, seed=None):
     """The engine a run of this layout makes, step by step as dr_scale/launch.py makes it."""
-    from dr_scale import ds_config as dsc
+    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.export.hf import apply_init_from, load_into
     from dr_scale.models import resolve_shape
@@ -85,7 +85,7 @@ def engine_for(family, precision, topo, ds_name, init_from=None, seed=None):
         model = build_for_run(shape, ds, topo)
         if weights is not None:
             load_into(model, weights, str(init_from))
-        parallel = parallelize(model, shape, topo, cfg, ds, ds_path, weights)
+        parallel = parallelize(model, shape, topo, cfg, ds, weights)
     engine = initialize_engine(parallel.model, parallel.ds, cfg.train, None, ds_path,
                                parallel.mpu)
     parallel.after_engine(engine)
@@ -164,7 +164,7 @@ def rank_main(rank, port, out, layout):
     from dr_scale.parallel.topology import Topology
 
     deepspeed.init_distributed(dist_backend="gloo")
-    topo = Topology(world, tensor, pipeline, rank)
+    topo = Topology(world, tensor, pipeline, rank).with_groups()
     result = {}
     for family in FAMILIES:
         for precision in ("fp32", "bf16"):
@@ -198,9 +198,9 @@ def resumed(engine, family, precision, topo, ds_name, reference, tokens, ref_log
     from dr_scale.train.checkpoint_writer import CheckpointWriter
 
     ckpt_dir = Path(f"{out}.ckpt.{family}.{precision}")
-    CheckpointWriter(engine, ckpt_dir).save(1, {"model": {}})
+    CheckpointWriter(engine, ckpt_dir, topo).save(1, {"model": {}})
     other, _, _, _ = engine_for(family, precision, topo, ds_name, seed=99)
-    checkpoint.load(other, ckpt_dir, expected_model={})
+    checkpoint.load(other, ckpt_dir, topo, expected_model={})
     return compare(other, reference, engine_logits(other, tokens, topo.tensor), ref_logits)
 
 

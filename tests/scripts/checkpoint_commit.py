@@ -13,6 +13,7 @@ from rank_result import write_and_leave
 def rank_main(rank, port, ckpt_dir, out):
     from dr_scale.errors import DrScaleError
     from dr_scale.train.checkpoint import STAGING, tag_for
+    from dr_scale.parallel.topology import Topology
     from dr_scale.train.checkpoint_writer import CheckpointWriter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -20,7 +21,7 @@ def rank_main(rank, port, ckpt_dir, out):
     ckpt_dir = Path(ckpt_dir)
     # publish() needs no engine: the files are the ranks' own
     writer = CheckpointWriter(types.SimpleNamespace(checkpoint_engine=None), ckpt_dir,
-                              keep_last=2)
+                              Topology(2, rank=rank), keep_last=2)
     result = {}
     for step in (1, 2, 3, 4):
         folder = ckpt_dir / STAGING / tag_for(step)

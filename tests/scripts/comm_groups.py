@@ -1,4 +1,4 @@
-"""Run by tests/test_comm.py on 2 ranks (torch.multiprocessing): dr_scale.comm under a world
+"""Run by tests/test_comm.py on 2 ranks (torch.multiprocessing): dr_scale.runtime.comm under a world
 group that serves CUDA only, as NCCL's does on GPUs, and under a gloo group serving the host."""
 import os
 import sys
@@ -10,7 +10,7 @@ from rank_result import write_and_leave
 
 
 def rank_main(rank, port, out):
-    from dr_scale import comm
+    from dr_scale.runtime import comm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("cuda:gloo", rank=rank, world_size=2)  # serves cuda tensors only

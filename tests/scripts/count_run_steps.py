@@ -10,7 +10,7 @@ import json
 import sys
 
 import dr_scale.callbacks.build
-import dr_scale.ds_config
+import dr_scale.config.ds_config
 import dr_scale.models
 import dr_scale.models.build
 import dr_scale.parallel.parallelize
@@ -29,10 +29,10 @@ def counted(module, name, *also):
         setattr(owner, name, wrapper)
 
 
-counted(dr_scale.ds_config, "fill")
+counted(dr_scale.config.ds_config, "fill")
 counted(dr_scale.models.build, "resolve_shape", dr_scale.models)
 counted(dr_scale.callbacks.build, "build_callbacks")
-counted(dr_scale.parallel.parallelize, "check")
+counted(dr_scale.parallel.parallelize, "refusals")
 counted(dr_scale.train.reshard, "reshard_plan")
 
 import dr_scale.launch  # noqa: E402  (after the wrappers)

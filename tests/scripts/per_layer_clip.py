@@ -12,10 +12,11 @@ from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, clip_per_layer_
 from dr_scale.config import load_config
-from dr_scale.distributed import init_distributed
+from dr_scale.runtime.process_group import init_distributed
 from dr_scale.launch import leave
 from dr_scale.train.engine import param_groups
 from dr_scale.models import build_model, resolve_shape
+from dr_scale.parallel.topology import Topology
 
 args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
 
@@ -51,7 +52,8 @@ for precision in ("fp32", "bf16"):
         batch = tokens[rank]
         loss = engine(batch[:, :-1], batch[:, 1:])
         engine.backward(loss)
-        norms, factors = clip_per_layer_(engine, max_norm, DEFAULT_EXEMPT)
+        norms, factors = clip_per_layer_(engine, max_norm, DEFAULT_EXEMPT,
+                                         Topology(dist.get_world_size()))
         grads = {n: safe_get_full_grad(p).detach().float().cpu().clone()
                  for n, p in engine.module.named_parameters()}
         results[f"{precision}_zero{stage}"] = {"grads": grads, "norms": norms.cpu(),

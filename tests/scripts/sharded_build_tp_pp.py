@@ -16,7 +16,6 @@ def rank_main(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     import deepspeed
-    from deepspeed.utils import groups
     from safetensors.torch import save_file
 
     from dr_scale.config.schema import ModelConfig
@@ -32,25 +31,24 @@ def rank_main(rank, port, out):
     ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
     result = {}
 
-    def split(model, shape, layout):  # what parallelize does before materialize
-        if layout == "tp2":
-            groups._init_tp_mesh_device(tensor_model_parallel_size=2)
-            shard_model(model, shape, 2, vocab_parallel=True)
+    def split(model, shape, topo):  # what parallelize does before materialize
+        if topo.autotp:
+            shard_model(model, shape, topo, vocab_parallel=True)
             return model
-        return to_pipeline(model, shape, 2, 1)
+        return to_pipeline(model, shape, topo)
 
     for preset, layout in (("tiny", "tp2"), ("gpt2_tiny", "tp2"), ("tiny", "pp2")):
         shape = resolve_shape(ModelConfig(preset=preset), 4096)
-        topo = Topology(2, tensor=2) if layout == "tp2" else Topology(2, pipeline=2)
+        topo = (Topology(2, tensor=2) if layout == "tp2" else Topology(2, pipeline=2)).with_groups()
         torch.manual_seed(1234)
         meta = build_for_run(shape, ds, topo)
         built_meta = all(p.is_meta for p in meta.parameters())
-        mine = split(meta, shape, layout)
+        mine = split(meta, shape, topo)
         made = materialize(mine)
         torch.manual_seed(1234)
         whole = build_model(shape)
         stats = {n: (p.mean().item(), p.std().item()) for n, p in whole.named_parameters()}
-        reference = split(whole, shape, layout)  # DeepSpeed splits the real values
+        reference = split(whole, shape, topo)  # DeepSpeed splits the real values
         rows = {}
         for (name, p), (ref_name, q) in zip(mine.named_parameters(), reference.named_parameters()):
             assert name == ref_name
@@ -69,14 +67,14 @@ def rank_main(rank, port, out):
                       if not (shape.tie_embeddings and k == "lm_head.weight")}
             save_file(source, str(folder / "model.safetensors"))
             torch.manual_seed(1234)
-            loaded = split(build_for_run(shape, ds, topo), shape, layout)
+            loaded = split(build_for_run(shape, ds, topo), shape, topo)
             materialize(loaded, HFWeights(folder))
             from_file = build_model(shape, "meta")
             from_file.load_state_dict(source, strict=False, assign=True)
             if shape.tie_embeddings:
                 from_file.lm_head.weight = from_file.get_parameter(
                     next(k for k in source if "wte" in k or "embed_tokens" in k))
-            want = split(from_file, shape, layout)
+            want = split(from_file, shape, topo)
             case["loaded"] = {n: bool(torch.equal(p, q)) for (n, p), (_, q)
                               in zip(loaded.named_parameters(), want.named_parameters())}
         result[f"{preset}/{layout}"] = case

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from dr_scale import nvme_offload
+from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
 
 
@@ -13,9 +13,9 @@ from dr_scale.errors import DrScaleError
 def _bundled_dir() -> Path:
     """ds_configs/ inside an installed copy (setup.py ships it as package data), else the
     checkout's top-level folder (an editable install, or running from the source tree)."""
-    here = Path(__file__).resolve().parent
-    installed = here / "ds_configs"
-    return installed if installed.is_dir() else here.parent / "ds_configs"
+    package = Path(__file__).resolve().parents[1]  # dr_scale/
+    installed = package / "ds_configs"
+    return installed if installed.is_dir() else package.parent / "ds_configs"
 
 
 DS_CONFIG_DIR = _bundled_dir()
@@ -70,7 +70,7 @@ def read_json(path: Path) -> Dict[str, Any]:
     return data
 
 
-def batch_layout(train_cfg, dp_size: int) -> Dict[str, int]:
+def batch_sizes(train_cfg, dp_size: int) -> Dict[str, int]:
     """micro, accumulation and global batch sizes; the global size must split evenly."""
     micro = train_cfg.micro_batch_size
     global_bs = train_cfg.global_batch_size or micro * dp_size
@@ -85,12 +85,12 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
          bf16_native: bool = True, device_type: str = "cpu",
          run_dir: Optional[Path] = None) -> Dict[str, Any]:
     """Return a copy of ``ds`` with every "auto" filled and every explicit value checked;
-    ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.hardware), ZeRO's
+    ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.runtime.hardware), ZeRO's
     communication settings come from ZERO_COMM for ``device_type``, offload's pin_memory is on
     where there is a GPU to copy to, an NVMe swap folder "auto" is ``run_dir``/offload."""
     ds = copy.deepcopy(ds)
     t = cfg.train
-    b = batch_layout(t, dp_size)
+    b = batch_sizes(t, dp_size)
 
     def settle(container: dict, key: str, value, exp_name: str, dotted: Optional[str] = None):
         dotted = dotted or key
@@ -200,7 +200,7 @@ def _find_auto(obj, prefix="") -> Optional[str]:
 
 def bf16_choice(raw: Dict[str, Any], support, source: str) -> Tuple[str, Optional[str]]:
     """(why the precision is what it is, for the start line; a one-line warning or None) for the
-    DeepSpeed JSON as written, on hardware ``support`` (a dr_scale.hardware.Bf16Support)."""
+    DeepSpeed JSON as written, on hardware ``support`` (a dr_scale.runtime.hardware.Bf16Support)."""
     enabled = raw.get("bf16", {}).get("enabled", False)
     if enabled == "auto":
         return f"bf16 \"auto\": {support.why}", None

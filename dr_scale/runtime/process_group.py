@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from dr_scale import comm
+from dr_scale.runtime import comm
 
 
 def _free_port() -> int:
