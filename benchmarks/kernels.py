@@ -11,6 +11,14 @@ torch reference, and the fused kernel's share of the part's memory bandwidth. Th
 + cross-entropy (llama_125m's width, 128,256 vocabulary) with its chunks' softmax and gradient in
 Triton against torch. Writes
 results.jsonl and results.md; an implementation that fails on this device is a row saying so.
+
+Correctness decides the exit status: every implementation's forward output is set against the
+fp32 reference on the same inputs (attention: torch's math attention in fp32; fused ops: the
+torch reference in fp32) within the op's precision policy (kernels/policy.py); an error beyond
+it, or a crash of ours (triton_flash, the fused CUDA ops, the fused head), exits 1. SDPA's
+backends this device or shape lacks are rows saying so, not failures. The speed targets (Triton
+flash forward+backward >= 0.9x SDPA's flash; fused ops >= 80% of the memory bandwidth) are
+reported per row as met or missed.
 """
 import argparse
 import json
@@ -20,6 +28,20 @@ from pathlib import Path
 import torch
 
 ATTENTION = ("triton_flash", "sdpa_flash", "sdpa_cudnn", "eager")
+OURS = ("triton_flash",)        # a crash of these fails the check; SDPA's backends may be absent
+FLASH_TARGET, HBM_TARGET = 0.9, 80.0  # x SDPA flash's fwd+bwd TFLOP/s; % of memory bandwidth
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| / max |want|, in fp32."""
+    want = want.float()
+    return ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def within(err: float, pol, dtype) -> bool:
+    """The policy's tolerance, taken relative to the output's scale (tests/test_kernels_*)."""
+    tol = pol.tol(dtype)
+    return err <= tol.atol + tol.rtol
 
 
 def bench(fn, warmup=5, reps=20) -> float:
@@ -43,6 +65,7 @@ def fwd_bwd(fn, inputs):
 
 def attention_rows(seqs, head_dim, causal, dtype, peak, batch_tokens=16384, heads=32,
                    kv_heads=8):
+    from dr_scale.kernels import policy, reference
     from dr_scale.kernels.registry import implementation
 
     rows = []
@@ -55,6 +78,9 @@ def attention_rows(seqs, head_dim, causal, dtype, peak, batch_tokens=16384, head
         fwd_flops = 4 * b * heads * s * s * head_dim * (0.5 if causal else 1.0)
         row = {"kernel": "attention", "seq": s, "batch": b, "heads": f"{heads}:{kv_heads}",
                "head_dim": head_dim, "causal": causal, "dtype": str(dtype).replace("torch.", "")}
+        one = (slice(0, 1),)  # the error on one sequence of the batch: the reference is eager
+        with torch.no_grad():
+            want = reference.attention(*(x[one].float() for x in (q, k, v)), causal=causal)
         for name in ATTENTION:
             if name == "eager" and b * heads * s * s * 4 >= 8e9:  # its fp32 scores cannot fit
                 continue
@@ -64,24 +90,30 @@ def attention_rows(seqs, head_dim, causal, dtype, peak, batch_tokens=16384, head
                 return fn(q, k, v, causal=causal)
             try:
                 with torch.no_grad():
+                    err = relative_error(call(q[one], k[one], v[one]), want)
                     fwd_ms = bench(lambda: call(q, k, v))
                 ms = bench(fwd_bwd(call, [q, k, v]))
             except Exception as e:  # e.g. a backend this device or shape lacks
                 row[f"{name}_error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]
+                row["wrong"] = row.get("wrong", []) + ([name] if name in OURS else [])
                 continue
+            row[f"{name}_rel_err"] = err
+            if not within(err, policy.ATTENTION, dtype):
+                row["wrong"] = row.get("wrong", []) + [name]
             row[f"{name}_fwd_tflops"] = fwd_flops / fwd_ms / 1e9
             row[f"{name}_tflops"] = fwd_flops * 3.5 / ms / 1e9
             if peak:
                 row[f"{name}_fwd_peak_pct"] = 100 * fwd_flops / fwd_ms / 1e-3 / peak
         if "triton_flash_tflops" in row and "sdpa_flash_tflops" in row:
             row["triton_vs_sdpa_flash"] = row["triton_flash_tflops"] / row["sdpa_flash_tflops"]
+            row["target_met"] = row["triton_vs_sdpa_flash"] >= FLASH_TARGET
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
 
 def fused_rows(dtype, bandwidth, tokens=16384, hidden=4096, ffn=11008, vocab=32000):
-    from dr_scale.kernels import cross_entropy, cuda, reference
+    from dr_scale.kernels import cross_entropy, cuda, policy, reference
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     w = torch.ones(hidden, device="cuda", dtype=dtype)
@@ -104,16 +136,32 @@ def fused_rows(dtype, bandwidth, tokens=16384, hidden=4096, ffn=11008, vocab=320
     # activation-sized tensors; weights and per-row statistics are small beside them)
     passes = {"rms_norm": 5, "layer_norm": 5, "swiglu": 8, "bias_gelu": 4, "rotary": 4,
               "cross_entropy": 3}
+    policies = {"rms_norm": policy.NORM, "layer_norm": policy.NORM, "swiglu": policy.ELEMENTWISE,
+                "bias_gelu": policy.ELEMENTWISE, "rotary": policy.ELEMENTWISE,
+                "cross_entropy": policy.CROSS_ENTROPY}
     rows = []
     for name, (fast, ref, inputs) in cases.items():
-        row = {"kernel": name, "dtype": str(dtype).replace("torch.", ""),
-               "fused_ms": bench(fwd_bwd(fast, inputs)), "torch_ms": bench(fwd_bwd(ref, inputs))}
+        row = {"kernel": name, "dtype": str(dtype).replace("torch.", "")}
+        try:
+            with torch.no_grad():
+                row["rel_err"] = relative_error(fast(*inputs),
+                                                ref(*(x.float() if x.is_floating_point() else x
+                                                      for x in inputs)))
+            row.update(fused_ms=bench(fwd_bwd(fast, inputs)), torch_ms=bench(fwd_bwd(ref, inputs)))
+        except Exception as e:  # ours: a failure of the check
+            row.update(error=f"{type(e).__name__}: {e}"[:200], wrong=[name])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
+        if not within(row["rel_err"], policies[name], dtype):
+            row["wrong"] = [name]
         row["speedup"] = row["torch_ms"] / row["fused_ms"]
         big = inputs[0]
         moved = passes[name] * big.numel() * big.element_size()
         row["fused_gb_s"] = moved / row["fused_ms"] / 1e6
         if bandwidth:
             row["fused_hbm_pct"] = 100 * row["fused_gb_s"] * 1e9 / bandwidth
+            row["target_met"] = row["fused_hbm_pct"] >= HBM_TARGET
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -138,8 +186,8 @@ def lm_head_row(dtype, tokens=4096, hidden=768, vocab=128256):
             row[key] = bench(fwd_bwd(lambda h, w: linear_cross_entropy(h, w, labels, chunk),
                                      [h, w]))
         row["speedup"] = row["torch_ms"] / row["fused_ms"]
-    except Exception as e:  # a row saying so, as for attention
-        row["error"] = f"{type(e).__name__}: {e}"[:200]
+    except Exception as e:  # ours: a failure of the check
+        row.update(error=f"{type(e).__name__}: {e}"[:200], wrong=["lm_head_loss"])
     finally:
         ops.reset()
     print(json.dumps(row), flush=True)
@@ -171,13 +219,20 @@ def main():
             f.write(json.dumps(r) + "\n")
     (out / "results.md").write_text(markdown(rows, device) + "\n")
     print(markdown(rows, device))
+    wrong = sorted({f"{r['kernel']}:{n}" for r in rows for n in r.get("wrong", [])})
+    missed = sum(1 for r in rows if r.get("target_met") is False)
+    met = sum(1 for r in rows if r.get("target_met") is True)
+    print(f"kernels: speed targets met in {met} row(s), missed in {missed}")
+    if wrong:
+        sys.exit(f"kernels: beyond the precision policy or failed: {', '.join(wrong)}")
+    print("kernels: every implementation within its precision policy")
 
 
 def markdown(rows, device) -> str:
     lines = [f"device: {device}", "", "attention, TFLOP/s forward / forward+backward "
              "(% of bf16 peak, forward)", "",
-             "| seq | heads | " + " | ".join(ATTENTION) + " | triton / SDPA flash |",
-             "|---|---|" + "---|" * (len(ATTENTION) + 1)]
+             "| seq | heads | " + " | ".join(ATTENTION) + " | triton / SDPA flash (target "
+             f"{FLASH_TARGET}) | largest error |", "|---|---|" + "---|" * (len(ATTENTION) + 2)]
     for r in rows:
         if r["kernel"] != "attention":
             continue
@@ -189,20 +244,28 @@ def markdown(rows, device) -> str:
                              + (f" ({pct:.0f}%)" if pct else ""))
             else:
                 cells.append("failed" if f"{name}_error" in r else "-")
-        ratio = f"{r['triton_vs_sdpa_flash']:.2f}" if "triton_vs_sdpa_flash" in r else "-"
-        lines.append(f"| {r['seq']} | {r['heads']} | " + " | ".join(cells) + f" | {ratio} |")
+        ratio = (f"{r['triton_vs_sdpa_flash']:.2f} ({'met' if r['target_met'] else 'missed'})"
+                 if "triton_vs_sdpa_flash" in r else "-")
+        errs = [r[f"{n}_rel_err"] for n in ATTENTION if f"{n}_rel_err" in r]
+        worst = f"{max(errs):.1e}" + (f" (wrong: {', '.join(r['wrong'])})" if r.get("wrong")
+                                      else "") if errs else "-"
+        lines.append(f"| {r['seq']} | {r['heads']} | " + " | ".join(cells)
+                     + f" | {ratio} | {worst} |")
     lines += ["", "| op (fwd+bwd) | fused ms | torch ms | speedup | fused GB/s | % of memory "
-              "bandwidth |", "|---|---|---|---|---|---|"]
+              f"bandwidth (target {HBM_TARGET:.0f}%) | error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kernel"] == "attention":
             continue
         if "error" in r:
-            lines.append(f"| {r['kernel']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['kernel']} | failed: {r['error']} | | | | | |")
             continue
-        pct = f"{r['fused_hbm_pct']:.0f}%" if "fused_hbm_pct" in r else "-"
+        pct = (f"{r['fused_hbm_pct']:.0f}% ({'met' if r['target_met'] else 'missed'})"
+               if "fused_hbm_pct" in r else "-")
+        err = (f"{r['rel_err']:.1e}" + (" (beyond policy)" if r.get("wrong") else "")
+               if "rel_err" in r else "-")
         gb_s = f"{r['fused_gb_s']:.0f}" if "fused_gb_s" in r else "-"  # the head: matmul-bound
         lines.append(f"| {r['kernel']} | {r['fused_ms']:.3f} | {r['torch_ms']:.3f} | "
-                     f"{r['speedup']:.2f} | {gb_s} | {pct} |")
+                     f"{r['speedup']:.2f} | {gb_s} | {pct} | {err} |")
     return "\n".join(lines)
 
 

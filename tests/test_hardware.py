@@ -85,6 +85,16 @@ def test_bad_bf16_value_is_one_line(tmp_path):
         dsc.load(str(p), load_config(), dp_size=1)
 
 
+def test_a_rank_takes_its_local_rank_among_the_devices_it_sees():
+    """Eight local ranks over eight visible GPUs: one each; a cluster binding one GPU per task
+    (each rank sees one device) puts every rank on its device 0, not on a device it cannot see."""
+    from dr_scale.runtime.process_group import device_index
+
+    assert [device_index(r, 8) for r in range(8)] == list(range(8))
+    assert [device_index(r, 1) for r in range(8)] == [0] * 8
+    assert [device_index(r, 2) for r in range(4)] == [0, 1, 0, 1]
+
+
 def test_threads_per_rank_respect_the_environment(monkeypatch):
     """OMP_NUM_THREADS (set by the user, or torchrun's default of 1) is obeyed; cores / ranks
     only when it is unset; DR_SCALE_THREADS_PER_RANK overrides both."""

@@ -26,6 +26,20 @@ def test_all_sources_are_listed_for_the_extension_build():
     assert len(SOURCES) == 3
 
 
+def test_each_machine_builds_in_its_own_folder(monkeypatch, tmp_path):
+    """Local rank 0 of every node builds the extension: nodes sharing $HOME (the extension cache
+    under it) each get a folder of their own, so they never race on one lock and objects."""
+    import socket
+
+    from dr_scale.kernels import cuda
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cuda.build_directory()
+    assert here.parent.parent == tmp_path and here.name == socket.gethostname()
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-2")
+    assert cuda.build_directory() == here.parent / "node-2"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_cu_files_compile(arch, tmp_path):
     procs = [subprocess.Popen([nvcc(), "-c", "-std=c++17", f"-arch={arch}", "-Werror",

@@ -92,6 +92,24 @@ def test_cross_entropy_matches_reference(tokens, vocab, dtype):
     assert logits.grad[1].abs().max() == 0  # the ignored row gets no gradient
 
 
+def test_every_dot_of_the_attention_kernels_keeps_fp32_in_fp32():
+    """On GPUs tl.dot computes fp32 inputs in TF32 unless told otherwise (the interpreter here
+    computes every dot in full precision, so only the source can show it): every dot of the
+    attention kernels goes through the helper that asks for IEEE fp32 on fp32 tiles."""
+    import ast
+    import inspect
+
+    from dr_scale.kernels.triton import attention_kernels
+
+    dots = [node for node in ast.walk(ast.parse(inspect.getsource(attention_kernels)))
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.dot"]
+    assert len(dots) == 2
+    assert [ast.unparse(k) for k in dots[0].keywords] == ["input_precision='ieee'"]
+    assert ast.unparse(dots[1].keywords and dots[1].keywords[0] or dots[1]) == "tl.dot(a, b)"
+    helper = inspect.getsource(attention_kernels._dot.fn)
+    assert "if a.dtype == tl.float32:" in helper
+
+
 def test_outside_the_policy_is_one_line():
     q = torch.randn(1, 2, 8, 64, dtype=torch.float64)
     with pytest.raises(DrScaleError, match=r"^kernels.attention=triton_flash: fp64 inputs are "
@@ -103,7 +121,7 @@ def test_outside_the_policy_is_one_line():
     with pytest.raises(DrScaleError, match="fp16 inputs are outside its precision policy"):
         bf16_only.check("op", "impl", torch.zeros(2, dtype=torch.float16))
     with pytest.raises(DrScaleError, match="heads a multiple of kv_heads"):
-        flash_attention(torch.randn(1, 3, 8, 64), torch.randn(1, 2, 8, 64), torch.randn(1, 2, 8, 64))
+        flash_attention(*(torch.randn(1, n, 8, 64, device=DEVICE) for n in (3, 2, 2)))
 
 
 def test_tiny_model_trains_with_triton_kernels_like_sdpa(cache_dir, tmp_path):

@@ -23,6 +23,40 @@ def test_console_script_installed():
     assert "llama_7b" in out.stdout and "6738.4M" in out.stdout
 
 
+def test_gpu_check_plan_fits_its_budget_and_runs_every_gpu_test():
+    """`gpu_check.sh --plan`: the parts' budgets sum to at most 400 s of the 600 a GPU command
+    gets (a rerun fits a 15-minute lease), tests + launch (the --quick pair) at most 180; every
+    file it lists collects tests, every test file that needs a GPU is listed, and what it
+    deselects as CPU-only exists and is marked to skip on a GPU."""
+    import re
+    import sys
+
+    plan = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--plan"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout
+    budgets = {p: int(s) for p, s in re.findall(r"^part (\w+): budget (\d+) s$", plan, re.M)}
+    assert list(budgets) == ["prepare", "tests", "launch", "kernels", "llama_1b"]
+    assert sum(budgets.values()) <= 400 and budgets["tests"] + budgets["launch"] <= 180
+    listed = re.findall(r"^tests runs: (\S+)$", plan, re.M)
+    deselected = re.findall(r"^tests deselects \(CPU-only\): (\S+)$", plan, re.M)
+    marked = re.compile(r"^(pytestmark = |@)pytest\.mark\.skipif\(not torch\.cuda\.is_available",
+                        re.M)
+    needs_gpu = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                       if marked.search(p.read_text()))
+    assert needs_gpu and set(needs_gpu) <= set(listed)
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                                "-p", "no:cacheprovider", *listed], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120).stdout.splitlines()
+    for file in listed:
+        assert any(line.startswith(file + "::") for line in collected), file
+    assert len(deselected) == 2
+    for node in deselected:
+        assert node in collected
+        file, name = node.split("::")
+        source = (ROOT / file).read_text()
+        before = source[:source.index(f"def {name}(")].rstrip().splitlines()[-1]
+        assert before.startswith("@pytest.mark.skipif(torch.cuda.is_available()"), node
+
+
 def test_gpu_check_stops_at_once_without_a_gpu(tmp_path):
     """benchmarks/gpu_check.sh where no CUDA GPU is visible: one line, exit 2, before installing or
     running anything (a CPU torch must not pass it by skipping the GPU tests)."""

@@ -19,6 +19,7 @@ TFLOPS = 1e12
     ("NVIDIA H100 PCIe", 756, 51),             # not the SXM figure
     ("NVIDIA H100 NVL", 835, 60),
     ("NVIDIA H200", 989, 67),
+    ("NVIDIA GH200 480GB", 989, 67),           # Grace Hopper: not H200's bandwidth
     ("NVIDIA H800", 989, 67),
     ("NVIDIA H20", 148, 44),                   # not H200's
     ("NVIDIA A100-SXM4-80GB", 312, 19.5),
@@ -35,6 +36,13 @@ def test_datasheet_peak_by_exact_part(name, bf16, fp32):
     for precision, want in (("bf16", bf16), ("fp16", bf16), ("fp32", fp32)):
         got = pf.datasheet_peak(name, precision)
         assert got == (want * TFLOPS if want else None), (name, precision)
+
+
+def test_bandwidth_by_exact_part():
+    """The fused kernels' targets are shares of this figure: GH200's name holds H200's."""
+    assert pf.datasheet_bandwidth("NVIDIA GH200 480GB") == 4.0e12
+    assert pf.datasheet_bandwidth("NVIDIA H200") == 4.8e12
+    assert pf.datasheet_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
 
 
 def test_cpu_peak_is_measured_at_the_gemm_and_cached(tmp_path, monkeypatch):

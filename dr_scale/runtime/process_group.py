@@ -51,10 +51,17 @@ def init_distributed(timeout_s: int = 600):
         torch.set_num_threads(threads_per_rank(local_world)[0])
         device = torch.device("cpu")
     else:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        acc.set_device(local_rank)
-        device = torch.device(acc.device_name(local_rank))
+        device = torch.device(acc.device_name(device_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                           acc.device_count())))
+        acc.set_device(device.index)
     return device, local_world
+
+
+def device_index(local_rank: int, visible: int) -> int:
+    """The device a rank computes on: its local rank among the devices it sees. A cluster that
+    binds one GPU to each task (SLURM's --gpus-per-task, or CUDA_VISIBLE_DEVICES set per task)
+    shows every rank a single device, index 0, whatever its local rank."""
+    return local_rank % max(1, visible)
 
 
 def threads_per_rank(local_world: int):

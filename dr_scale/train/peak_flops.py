@@ -31,6 +31,9 @@ GPU_PEAKS = (
     (("gb200",), {"bf16": 2500.0, "fp16": 2500.0, "fp8": 5000.0, "hbm": 8.0}),
     (("b200",), {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0, "hbm": 8.0}),
     (("b100",), {"bf16": 1800.0, "fp16": 1800.0, "fp8": 3500.0, "hbm": 8.0}),
+    # GH200: the Hopper GPU of the Grace Hopper superchip ("NVIDIA GH200 480GB", 96 GB HBM3 at
+    # 4.0 TB/s; the 144 GB HBM3e part 4.9), H100 SXM's compute; before H200, whose name it holds
+    (("gh200",), {**_H100, "hbm": 4.0}),
     (("h200", "nvl"), {"bf16": 836.0, "fp16": 836.0, "fp8": 1671.0, "fp32": 60.0, "hbm": 4.8}),
     (("h200",), {**_H100, "hbm": 4.8}),
     (("h100", "nvl"), {"bf16": 835.0, "fp16": 835.0, "fp8": 1670.0, "fp32": 60.0, "hbm": 3.9}),

@@ -7,6 +7,7 @@ is built by torch.utils.cpp_extension on first use on a GPU, once per node (buil
 two, then cached under ~/.cache/torch_extensions).
 """
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -38,9 +39,11 @@ def unavailable_reason():
 
 def build_directory() -> Path:
     """Our own folder under torch's extension cache (TORCH_EXTENSIONS_DIR), per torch and CUDA
-    version: passed to `load` rather than read from torch's private default."""
+    version and per machine: the local rank 0s of several nodes sharing $HOME each build at once,
+    and one folder would have them race on its lock and objects (a build is node-local work)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or "~/.cache/torch_extensions"
-    return Path(root).expanduser() / f"dr_scale_cuda_torch{torch.__version__}_cu{torch.version.cuda}"
+    return (Path(root).expanduser() / f"dr_scale_cuda_torch{torch.__version__}_cu{torch.version.cuda}"
+            / socket.gethostname())
 
 
 def extension():

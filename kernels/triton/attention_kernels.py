@@ -39,6 +39,17 @@ INTERPRET_BLOCKS = (16, 16)
 
 
 @triton.jit
+def _dot(a, b):
+    """tl.dot, in IEEE fp32 for fp32 tiles: on GPUs its default for fp32 inputs is TF32 (10-bit
+    mantissas, errors ~1e-3), which an fp32 run has not asked for. 16-bit tiles are unchanged."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _fwd_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, doc_q, doc_ptr, offs_m, offs_n, offs_d, mask_d,
                 s_ks, s_vs, SK, qk_scale, lo, hi,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr,
@@ -57,7 +68,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, doc_q, doc_ptr, offs_m, offs_n, 
         kt = tl.load(k_ptr + cols[None, :] * s_ks + offs_d[:, None], mask=kt_mask, other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt) * qk_scale  # base-2 logits, (M, N)
+        s = _dot(q, kt) * qk_scale  # base-2 logits, (M, N)
         if MASKED:
             valid = mask_n[None, :]
             if CAUSAL:
@@ -75,7 +86,7 @@ def _fwd_blocks(acc, l_i, m_i, q, k_ptr, v_ptr, doc_q, doc_ptr, offs_m, offs_n, 
         v = tl.load(v_ptr + cols[:, None] * s_vs + offs_d[None, :], mask=v_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -174,7 +185,7 @@ def _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, d
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
     """The softmax probabilities of a (queries, keys) block again, from the forward's
     log-sum-exp, zero where the masks (edges, causality, documents) hide a key."""
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (M, N)
+    p = tl.exp2(_dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # (M, N)
     if MASKED:
         valid = mask_m[:, None] & mask_n[None, :]
         if CAUSAL:
@@ -202,10 +213,10 @@ def _dkdv_blocks(dk, dv, k, v, doc_k, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr
             doc_q = tl.load(doc_ptr + offs_m, mask=mask_m, other=-1)
         p = _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, doc_k,
                            MASKED, CAUSAL, DOCS)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v))
+        dv += _dot(tl.trans(p.to(do.dtype)), do)
+        dp = _dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q)
     return dk, dv
 
 
@@ -290,9 +301,9 @@ def _dq_blocks(dq, q, do, lse, delta, doc_q, k_ptr, v_ptr, doc_ptr, offs_m, offs
             doc_k = tl.load(doc_ptr + offs_n, mask=mask_n, other=-2)
         p = _probabilities(q, k, lse, qk_scale, offs_m, offs_n, mask_m, mask_n, doc_q, doc_k,
                            MASKED, CAUSAL, DOCS)
-        dp = tl.dot(do, tl.trans(v))
+        dp = _dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += _dot(ds.to(k.dtype), k)
     return dq
 
 

@@ -23,6 +23,9 @@ def rank_main(rank, port, out, kernel):
     from dr_scale.kernels import ops
     from dr_scale.models.lm_head import linear_cross_entropy
 
+    # on a GPU machine the slices are on the GPU (gloo reduces CUDA tensors too): the Triton
+    # kernels there run compiled, not interpreted, and take device tensors only
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     vocab, d, tokens = 101, 16, 37
     hidden = torch.randn(tokens, d, generator=g)
@@ -40,11 +43,11 @@ def rank_main(rank, port, out, kernel):
     result = {"ref": ref.item(), "ref_grad_h": rh.grad.tolist(),
               "ref_grad_w": rw.grad[start:start + rows[rank]].tolist()}
     for dtype in (torch.float32, torch.bfloat16):
-        ops.use_kernels("cpu", dtype, forced={"cross_entropy": kernel})
-        h = hidden.clone().to(dtype).requires_grad_()
-        w = weight[start:start + rows[rank]].clone().to(dtype).requires_grad_()
-        loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels, 8, group=group,
-                                    vocab_start=start)
+        ops.use_kernels(device, dtype, forced={"cross_entropy": kernel})
+        h = hidden.clone().to(device, dtype).requires_grad_()
+        w = weight[start:start + rows[rank]].clone().to(device, dtype).requires_grad_()
+        loss = linear_cross_entropy(ColumnParallel.apply(group, h), w, labels.to(device), 8,
+                                    group=group, vocab_start=start)
         loss.backward()
         name = str(dtype).replace("torch.", "")
         result[name] = {"loss": loss.item(), "grad_h": h.grad.float().tolist(),
