@@ -24,7 +24,9 @@ PARTS=(prepare tests launch kernels llama_1b)
 QUICK_PARTS=(prepare tests launch)
 declare -A BUDGET=([prepare]=100 [tests]=80 [launch]=80 [kernels]=60 [llama_1b]=80)
 GPU_TESTS=(tests/test_kernels_gpu.py tests/test_kernels_triton.py tests/test_kernel_registry.py
-           tests/test_comm.py)
+           tests/test_comm.py
+           # every attention's document path on the GPU (sdpa: flex attention), with gradients
+           "tests/test_document_mask.py::test_attention_within_documents_matches_fp64_sdpa")
 # Tests that exist for CPU-only machines (they check the refusals a machine without CUDA gives)
 CPU_ONLY=(
     "tests/test_kernel_registry.py::test_what_cannot_run_here_is_one_line"

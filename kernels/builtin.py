@@ -3,6 +3,8 @@ fused CUDA (kernels/cuda) > Triton (kernels/triton) > apex (when importable) > t
 or a torch form of it that keeps the input dtype where the policy allows; RMSNorm, LayerNorm and
 SwiGLU from lean_torch.py, the same forward keeping only its inputs for backward).
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +59,40 @@ def attention_triton(q, k, v, causal=True, dropout_p=0.0, training=False, doc_id
 
 
 _last_documents = {"ids": None, "lengths": None}
+_last_block_mask = {"key": None, "mask": None}
+
+
+def _document_block_mask(doc_ids, causal: bool, q_len: int, kv_len: int):
+    """flex attention's block mask of the pairs in one document (and causal): made once for the
+    ids tensor every layer of a forward gets."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (doc_ids, causal, q_len, kv_len)
+    cached = _last_block_mask["key"]
+    if cached is None or cached[0] is not doc_ids or cached[1:] != key[1:]:
+        def same_document(b, h, q_idx, kv_idx):
+            same = doc_ids[b, q_idx] == doc_ids[b, kv_idx]
+            return same & (q_idx >= kv_idx) if causal else same
+
+        _last_block_mask["mask"] = create_block_mask(same_document, doc_ids.shape[0], None,
+                                                     q_len, kv_len, device=doc_ids.device)
+        _last_block_mask["key"] = key
+    return _last_block_mask["mask"]
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_attention(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # compiled, it is one fused kernel; eager, torch's unfused reference (tests on CPU)
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def attention_by_block_mask(q, k, v, doc_ids, causal=True, gqa=False, compiled=True):
+    """Attention within documents in one launch: flex attention over the same-document block
+    mask (`compiled=False`: its eager form, for a check where inductor is not wanted)."""
+    mask = _document_block_mask(doc_ids, causal, q.shape[2], k.shape[2])
+    return _flex_attention(compiled)(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 def _document_lengths(doc_ids):
@@ -73,18 +109,22 @@ def _document_lengths(doc_ids):
 def attention_sdpa(q, k, v, causal=True, dropout_p=0.0, training=False, doc_ids=None):
     """torch SDPA: picks flash / memory-efficient / math backends by itself; GQA natively.
 
-    With `doc_ids` (packed documents) each document's run of the sequence is its own causal SDPA
-    call. Measured on the 2-core EPYC (avx512_bf16), 12 heads x 64, 2,048 tokens, forward +
-    backward: full causal 182 ms; one SDPA with the explicit (batch, 1, seq, seq) document mask
-    307 ms (CPU SDPA computes every masked block); flex_attention has no CPU backward in torch
-    2.13; per-document calls 61 ms with 8 documents, 152 ms with 64 (fp32; bf16 156 / 269 / 50 /
-    73 ms). The document lengths are read on the host (one sync per layer on a GPU, where `auto`
-    picks triton_flash, which takes the ids inside the kernel)."""
+    With `doc_ids` (packed documents), on a GPU: one launch of torch's flex attention (compiled)
+    with a block mask of same-document (causal) pairs, made once per forward (every layer gets the
+    same ids tensor), so blocks with no pair are skipped and nothing syncs with the host. On CPU
+    each document's run of the sequence is its own causal SDPA call: measured on the 2-core EPYC
+    (avx512_bf16), 12 heads x 64, 2,048 tokens, forward + backward: full causal 182 ms; one SDPA
+    with the explicit (batch, 1, seq, seq) document mask 307 ms (CPU SDPA computes every masked
+    block); flex_attention has no CPU backward in torch 2.13; per-document calls 61 ms with 8
+    documents, 152 ms with 64 (fp32; bf16 156 / 269 / 50 / 73 ms). On a GPU `auto` measures it
+    against triton_flash, which takes the ids inside its kernel (model.kernel_choice)."""
     dropout = dropout_p if training else 0.0
     gqa = k.shape[1] != q.shape[1]
     if doc_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout,
                                               enable_gqa=gqa)
+    if q.is_cuda and dropout == 0.0:  # flex attention has no dropout
+        return attention_by_block_mask(q, k, v, doc_ids, causal, gqa)
     rows = []
     for b, lengths in enumerate(_document_lengths(doc_ids)):
         pieces, start = [], 0

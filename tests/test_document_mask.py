@@ -68,6 +68,23 @@ def test_attention_within_documents_matches_fp64_sdpa(impl, layout, dtype):
             f"{impl} {name}: max error {err:.2e} (scale {scale:.2e})"
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_one_launch_by_block_mask_equals_the_per_document_calls(layout):
+    """The GPU's document path (flex attention over a same-document block mask, one launch)
+    against the CPU's (one SDPA call per document), forward in fp32, grouped-query heads; run
+    here in flex attention's eager form (its compiled kernel and the gradients run on a GPU:
+    test_attention_within_documents_matches_fp64_sdpa there, through `sdpa`)."""
+    from dr_scale.kernels.builtin import attention_by_block_mask
+
+    doc = _doc_ids(LAYOUTS[layout], "cpu")
+    g = torch.Generator().manual_seed(len(layout))
+    q = torch.randn(doc.shape[0], 4, doc.shape[1], 32, generator=g)
+    k, v = (torch.randn(doc.shape[0], 2, doc.shape[1], 32, generator=g) for _ in range(2))
+    got = attention_by_block_mask(q, k, v, doc, causal=True, gqa=True, compiled=False)
+    want = implementation("attention", "sdpa")(q, k, v, causal=True, doc_ids=doc)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_documents_change_the_output():
     """The mask is applied: with two documents the second one's output differs from causal."""
     doc = _doc_ids([[10, 10]])

@@ -46,8 +46,9 @@ def test_gpu_check_plan_fits_its_budget_and_runs_every_gpu_test():
     collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                                 "-p", "no:cacheprovider", *listed], cwd=ROOT,
                                capture_output=True, text=True, timeout=120).stdout.splitlines()
-    for file in listed:
-        assert any(line.startswith(file + "::") for line in collected), file
+    for entry in listed:  # a file, or one test of a file
+        assert any(line.startswith(entry if "::" in entry else entry + "::")
+                   for line in collected), entry
     assert len(deselected) == 2
     for node in deselected:
         assert node in collected
