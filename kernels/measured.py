@@ -30,6 +30,10 @@ from dr_scale.kernels.registry import Kernel
 
 CACHE = "kernel_choices.json"
 CHECK_SEQ, CHECK_ROWS = 2048, 8192
+# Attention is checked at the run's own length (the Triton kernel's autotuned block sizes are
+# keyed on it: a shorter check would pass another configuration), up to where the fp32 eager
+# reference's scores (heads x seq^2 x 4 bytes at batch 1) stay a few GiB.
+ATTENTION_CHECK_SEQ = 8192
 REFERENCES = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
               "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
               "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy,
@@ -54,8 +58,11 @@ class Problem:
     def tokens(self) -> int:
         return self.batch * self.seq
 
-    def for_check(self) -> "Problem":
-        return dataclasses.replace(self, batch=1, seq=min(self.seq, CHECK_SEQ),
+    def for_check(self, op: str) -> "Problem":
+        """The shapes `op` is checked at: batch 1; attention at the run's length (see
+        ATTENTION_CHECK_SEQ), the row-wise ops shorter (their kernels do not depend on it)."""
+        seq = min(self.seq, ATTENTION_CHECK_SEQ if op == "attention" else CHECK_SEQ)
+        return dataclasses.replace(self, batch=1, seq=seq,
                                    loss_rows=min(self.loss_rows, CHECK_ROWS))
 
 
@@ -86,8 +93,11 @@ def make_inputs(op: str, p: Problem, device, dtype, seed: int = 0) -> Tuple[tupl
         labels = torch.randint(0, p.vocab, (p.loss_rows,), generator=g).to(device)
         return (t(p.loss_rows, p.vocab), labels), {}
     if op == "attention":
-        q = t(p.batch, p.heads, p.seq, p.head_dim)
-        k, v = (t(p.batch, p.kv_heads, p.seq, p.head_dim) for _ in range(2))
+        # as the model hands them over: (batch, seq, heads, head_dim) projections viewed as
+        # (batch, heads, seq, head_dim), not contiguous (the kernel reads the strides in place)
+        q = t(p.batch, p.seq, p.heads, p.head_dim, grad=False).transpose(1, 2).requires_grad_()
+        k, v = (t(p.batch, p.seq, p.kv_heads, p.head_dim, grad=False).transpose(1, 2)
+                .requires_grad_() for _ in range(2))
         kwargs = {"causal": True}
         if p.documents > 1:
             bounds = torch.arange(p.seq, device=device) * p.documents // p.seq
@@ -114,7 +124,7 @@ def check_error(kernel: Kernel, p: Problem, device, dtype) -> float:
     weight, a bias) has elements near zero whose bf16 rounding is set by the terms summed, not by
     the result; a broken kernel (a wrong mask, a weight read in the wrong dtype) is off by the
     tensor's own scale."""
-    args, kwargs = make_inputs(kernel.op, p.for_check(), device, dtype)
+    args, kwargs = make_inputs(kernel.op, p.for_check(kernel.op), device, dtype)
     ref_args = tuple(a.detach().float().requires_grad_(a.requires_grad)
                      if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                      for a in args)

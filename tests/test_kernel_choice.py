@@ -130,3 +130,24 @@ def test_when_nothing_can_be_timed_the_last_checked_implementation_is_used(monke
     assert chosen == {"rms_norm": "second"}
     assert [r.verdict for r in table] == ["failed: out of memory",
                                           "chosen untimed (out of memory)"]
+
+
+def test_attention_is_checked_as_the_run_calls_it():
+    """The check and the timing take attention's inputs as the model hands them over (its
+    (batch, seq, heads, head_dim) projections viewed as (batch, heads, seq, head_dim): strided,
+    not contiguous) and at the run's own length up to ATTENTION_CHECK_SEQ (the Triton kernel's
+    block sizes are autotuned per length); the row-wise ops are checked shorter. SDPA passes its
+    policy on such inputs here."""
+    p = dataclasses.replace(PROBLEM, seq=4096)
+    assert p.for_check("attention").seq == 4096 and p.for_check("attention").batch == 1
+    assert p.for_check("rms_norm").seq == measured.CHECK_SEQ
+    longer = dataclasses.replace(PROBLEM, seq=4 * measured.ATTENTION_CHECK_SEQ)
+    assert longer.for_check("attention").seq == measured.ATTENTION_CHECK_SEQ
+    (q, k, v), _ = measured.make_inputs("attention", dataclasses.replace(PROBLEM, seq=64), "cpu",
+                                        torch.float32)
+    b, h, s, d = q.shape
+    assert not q.is_contiguous() and q.stride() == (s * h * d, d, h * d, 1)
+    assert k.stride()[1:] == (d, k.shape[1] * d, 1) and q.requires_grad and k.requires_grad
+    sdpa = next(c for c in candidates("attention", "cpu", torch.float32) if c.name == "sdpa")
+    assert measured.check_error(sdpa, dataclasses.replace(PROBLEM, seq=256), "cpu",
+                                torch.float32) <= 1
