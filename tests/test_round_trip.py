@@ -14,7 +14,8 @@ from tests.conftest import ROOT, launch
 NARROW = ["model.hidden_size=64", "model.num_layers=2", "model.num_heads=4",
           "model.num_kv_heads=2", "model.ffn_hidden_size=128", "model.max_seq_length=2048",
           "data.seq_length=2048", "train.micro_batch_size=1", "train.max_steps=12",
-          "train.warmup_steps=2", "train.lr=1e-2", "train.log_interval=4",
+          "train.global_batch_size=4", "train.warmup_steps=2", "train.lr=1e-2",
+          "train.log_interval=4",
           "train.eval_interval=12", "train.save_interval=12", "train.eval_samples=8",
           "train.eval_at_start=false", "logging.plot=false", "logging.tensorboard=false"]
 LAYOUTS = {
