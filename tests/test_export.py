@@ -172,6 +172,16 @@ def test_round_trip_export_then_init_from_continues_the_loss(trained_run, cache_
     final_eval = [r["eval_loss"] for r in before if "eval_loss" in r][-1]
     start_eval = [r["eval_loss"] for r in after if "eval_loss" in r][0]
     assert start_eval == pytest.approx(final_eval, rel=1e-2)  # bf16 forward both times
+    if layout:  # the checkpoint keeps what DeepSpeed's universal conversion needs of AutoTP
+        import torch
+        from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                                    UNIVERSAL_CHECKPOINT_INFO)
+
+        files = sorted((run / "checkpoints" / "step_00000002").glob("*model_states.pt"))
+        assert files
+        for f in files:
+            info = torch.load(f, map_location="cpu", weights_only=False)[UNIVERSAL_CHECKPOINT_INFO]
+            assert info.get(PARAMETER_WITH_ROW_PARALLELISM_PATTERNS), (f.name, sorted(info))
 
 
 @pytest.mark.parametrize("setup, pattern", [

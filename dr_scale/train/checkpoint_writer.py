@@ -92,9 +92,13 @@ class CheckpointWriter:
                                                     UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                                     UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
-        # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this one later
-        client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: {
-            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+        # universal_checkpoint_info lets DeepSpeed's ds_to_universal reshard this one later.
+        # The engine writes AutoTP's record (which parameters are row-parallel, replicated,
+        # vocabulary-sliced) under the same key, then updates the state with ours: ours must
+        # carry it, or the conversion joins row-parallel slices on the wrong dimension.
+        info = dict(getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
+        info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+        client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: info}
         self.ledger.take()
         try:
             self.engine.save_checkpoint(str(staging), tag=tag, client_state=client_state,
