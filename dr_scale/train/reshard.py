@@ -43,8 +43,11 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
             f"parallel.pipeline_parallel (to change them, `dr-scale export` the weights and start "
             f"a run from them with model.init_from)")
     if (tensor > 1 or pipeline > 1) and written != world_size:
-        # DeepSpeed's universal conversion joins AutoTP's row-parallel slices on the wrong
-        # dimension (o_proj came out 2x taller): a wrong model, not an error. Refuse it.
+        # DeepSpeed's universal conversion joined AutoTP's row-parallel slices on the wrong
+        # dimension (o_proj came out 2x taller): a wrong model, not an error. Those checkpoints
+        # lacked AutoTP's record of its row-parallel parameters (the writer's client_state
+        # replaced it); checkpoints keep it now, and until the conversion is shown right with
+        # it, this stays refused.
         raise DrScaleError(
             f"{tag_dir}: a tensor- or pipeline-parallel checkpoint of {written} rank(s) resumes on "
             f"{written} rank(s) only, not {world_size}; to change the data-parallel size, "
