@@ -23,6 +23,33 @@ def test_console_script_installed():
     assert "llama_7b" in out.stdout and "6738.4M" in out.stdout
 
 
+def test_the_bare_name_kernels_stays_pypis_from_the_checkout_root(tmp_path):
+    """Code run from the checkout's root finds its kernels/ folder as a bare `kernels` (the
+    working directory comes first on sys.path), where PyPI's `kernels` (Hugging Face's hub
+    kernels, required and imported by transformers >= 5.25) belongs: the folder hands the name
+    over, submodules included, and stays `dr_scale.kernels` itself; transformers' hub-kernel
+    integration imports from there (it failed with "cannot import name 'CUDAProperties' from
+    'kernels'" before)."""
+    import os
+    import sys
+
+    site = tmp_path / "site" / "kernels"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("WHO = 'pypi'\nfrom kernels.layer import LAYER\n")
+    (site / "layer.py").write_text("LAYER = 'a submodule of it'\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    probe = ("import kernels, dr_scale.kernels as ours; "
+             "print(kernels.WHO, '|', kernels.LAYER, '|', ours.__name__, ours.reference.__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == \
+        "pypi | a submodule of it | dr_scale.kernels dr_scale.kernels.reference"
+    hub = subprocess.run([sys.executable, "-c", "import transformers.integrations.hub_kernels"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert hub.returncode == 0, hub.stderr[-2000:]
+
+
 def test_gpu_check_plan_fits_its_budget_and_runs_every_gpu_test():
     """`gpu_check.sh --plan`: the parts' budgets sum to at most 400 s of the 600 a GPU command
     gets (a rerun fits a 15-minute lease), tests + launch (the --quick pair) at most 180; every
