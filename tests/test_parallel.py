@@ -189,11 +189,11 @@ def test_topology_layout_and_errors():
 
 
 def test_sequence_parallel_refusals():
-    from dr_scale.parallel.sequence import refusals as check
+    from dr_scale.parallel.sequence import refusals
     from tests.test_models import shape_of
 
     llama = shape_of("model.preset=tiny", vocab=64)
-    check(llama, 2, 64, True, 1)  # supported: no error
+    refusals(llama, 2, 64, True, 1)  # supported: no error
     for args, message in [((llama, 1, 64, True, 1), "needs tensor_parallel > 1"),
                           ((llama, 2, 64, True, 2), "and pipeline_parallel=1"),
                           ((llama, 2, 64, False, 1), "needs parallel.vocab_parallel=true"),
@@ -202,7 +202,7 @@ def test_sequence_parallel_refusals():
                           ((shape_of("model.preset=gpt2_tiny", vocab=64), 2, 64, True, 1),
                            "built for llama models")]:
         with pytest.raises(DrScaleError, match=message):
-            check(*args)
+            refusals(*args)
 
 
 def test_unsupported_layouts_stop_in_one_line(cache_dir, tmp_path):
