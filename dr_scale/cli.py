@@ -147,6 +147,34 @@ def cmd_reshard(a):
           f"`--resume` on {a.ranks} rank(s) loads it")
 
 
+def cmd_verify(a):
+    from pathlib import Path
+
+    from tqdm import tqdm  # percent, rate and ETA on stderr
+
+    from dr_scale.train import manifest
+    from dr_scale.train.checkpoint import complete_tags
+
+    ckpt_dir = Path(a.run_dir) / "checkpoints"
+    tags = complete_tags(ckpt_dir)
+    if not tags:
+        raise DrScaleError(f"{ckpt_dir}: no checkpoints")
+    bad = 0
+    for tag in tqdm(tags, desc="verify", unit="checkpoint", leave=False):
+        t0 = time.time()
+        fault = manifest.verify(ckpt_dir / tag, a.workers, reuse_verdict=False)
+        body = manifest.read(ckpt_dir / tag) if fault is None else None
+        size = sum(e["bytes"] for e in body["files"].values()) if body else 0
+        state = ("intact" if body else "no manifest (written before manifests)") \
+            if fault is None else f"NOT INTACT: {fault}"
+        bad += fault is not None
+        tqdm.write(f"{ckpt_dir / tag}: {state}" + (f" ({size / 2**30:.2f} GiB checked in "
+                                                    f"{time.time() - t0:.1f} s)" if body else ""))
+    if bad:
+        raise DrScaleError(f"{ckpt_dir}: {bad} of {len(tags)} checkpoint(s) not intact; "
+                           "--resume takes the newest intact one")
+
+
 def cmd_presets(a):
     from dr_scale.config import load_config
     from dr_scale.models import all_presets, build_model, resolve_shape
@@ -274,6 +302,12 @@ def build_parser():
     rs.add_argument("--workers", type=int, default=None, help="parallel conversion processes "
                     "(default: cores, bounded by the memory one rank's file needs)")
     rs.set_defaults(fn=cmd_reshard)
+    vf = sub.add_parser("verify", help="check a run's checkpoints against their manifests "
+                        "(sizes and checksums)")
+    vf.add_argument("--run_dir", required=True)
+    vf.add_argument("--workers", type=int, default=None,
+                    help="files read in parallel (default: cores, at most 8)")
+    vf.set_defaults(fn=cmd_verify)
     pr = sub.add_parser("presets", help="list model presets with sizes")
     pr.set_defaults(fn=cmd_presets)
     es = sub.add_parser("estimate", help="predict per-rank memory of a run (no model allocated)")

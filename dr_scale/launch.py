@@ -71,7 +71,7 @@ def run(plan: RunPlan):
     parallel.after_engine(engine)
     trainer = Trainer(engine, plan.cfg, sources, group.batch_sizes, group.topology,        # trainer
                       group.run_dir, logger, facts, group.device, plan.callbacks,
-                      stop_at_step=plan.stop_at_step, resume_plan=resume and resume.mode)
+                      stop_at_step=plan.stop_at_step, resume_plan=resume)
     if resume:
         trainer.resume()
     try:

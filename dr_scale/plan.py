@@ -82,7 +82,7 @@ def check(args) -> RunPlan:
         memory_guard.refuse_if_too_big(cfg, ds, topo, device_type, str(ds_path), shape)
     resume = None
     if args.resume:
-        resume = plan_resume(run_dir.resolve(), topo, ds)
+        resume = plan_resume(run_dir.resolve(), topo, ds, cfg.train.collective_timeout_s)
         convert_before_group(resume, topo.world, cfg.train.collective_timeout_s)
     cfg.freeze()
     return RunPlan(cfg, ds_path, raw_ds, ds, dsc.precision(ds), bf16, device_type, topo, shape,

@@ -1,6 +1,9 @@
 """Checkpoint publication over a real 2-rank gloo group: every rank fsyncs its own files, the
 checkpoint is renamed and named in `latest` only when all ranks confirm, old ones go after."""
 import json
+import zlib
+
+from dr_scale.train import manifest
 
 from tests.conftest import run_rank_script
 
@@ -22,6 +25,17 @@ def test_latest_moves_only_when_every_rank_confirms(tmp_path):
     rank1 = json.loads((tmp_path / "result.1").read_text())
     assert "rank1.bin: No such file or directory" in rank1["4"]  # names the file it lost
     final = ckpt / "step_00000003"
-    assert sorted(p.name for p in final.iterdir()) == ["rank0.bin", "rank1.bin"]
+    assert sorted(p.name for p in final.iterdir()) == ["manifest.json", "rank0.bin", "rank1.bin"]
     assert (final / "rank1.bin").read_bytes() == bytes([1, 3]) * 1000
+    # the manifest: every rank's file with its size and CRC-32 (zlib's, computed here again)
+    body = json.loads((final / "manifest.json").read_text())
+    assert body["files"] == {f"rank{r}.bin": {"bytes": 2000, "crc32": f"{zlib.crc32(bytes([r, 3]) * 1000):08x}"}
+                             for r in (0, 1)}
+    assert (body["step"], body["consumed_samples"]) == (3, 24)
+    assert body["layout"] == {"world": 2, "tensor": 1, "pipeline": 1, "zero_stage": 1}
+    assert manifest.verify(final) is None
+    (final / "rank1.bin").write_bytes(bytes([1, 4]) * 1000)  # same size, other bytes
+    # the kept verdict serves a requeue without reading again; a fresh check sees the change
+    assert manifest.verify(final) is None
+    assert manifest.verify(final, reuse_verdict=False).startswith("rank1.bin: CRC-32 ")
     assert (ckpt / ".incoming" / "step_00000004" / "rank0.bin").exists()  # not published

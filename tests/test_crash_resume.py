@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -61,7 +62,7 @@ def reference(cache_dir, tmp_path_factory):
     ds = fp32_config(tmp, 3)
     run = tmp / "reference"
     launch(["--ds_config", ds, "--run_dir", run, *ARGS], 2, cache_dir)
-    return ds, {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+    return ds, {r["step"]: r["loss"] for r in records(run) if "loss" in r}, run
 
 
 # A SIGKILL between saves is the elastic test's (rank 1 killed after step 5) and ends the same way
@@ -69,7 +70,7 @@ def reference(cache_dir, tmp_path_factory):
 def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp_path):
     """mid_async_write: with train.async_save, killed while the writer thread writes step 6's
     files behind step 7; the run resumes from an asynchronously written checkpoint."""
-    ds, expected = reference
+    ds, expected, _ = reference
     run = tmp_path / "run"
     ckpt = run / "checkpoints"
     extra = ["train.async_save=true"] if moment == "mid_async_write" else []
@@ -95,7 +96,7 @@ def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp
 @pytest.fixture(scope="module")
 def short_run(reference, cache_dir, tmp_path_factory):
     """A 3-step run with one checkpoint, copied by each bad-input test before damaging it."""
-    ds, _ = reference
+    ds, _, _ = reference
     run = tmp_path_factory.mktemp("short") / "run"
     launch(["--ds_config", ds, "--run_dir", run, *ARGS, "train.max_steps=3"], 2, cache_dir)
     return run
@@ -105,11 +106,16 @@ def short_run(reference, cache_dir, tmp_path_factory):
     (lambda c: (c / "latest").write_text("step_00000099\n"), r"latest: names step_00000099, which is missing"),
     (lambda c: (c / "latest").unlink(), r"checkpoints: no checkpoint \(no 'latest' file\)"),
     (lambda c: (c / "step_00000003" / "dr_scale_state_rank1.pt").unlink(),
-     r"step_00000003: dr_scale state of 1 rank\(s\) but DeepSpeed shards of 2 \(incomplete checkpoint\)"),
+     r"checkpoints: no intact checkpoint: step_00000003: dr_scale_state_rank1.pt is missing"),
     (lambda c: [f.write_bytes(f.read_bytes()[:1000]) for f in (c / "step_00000003").glob("zero_pp_rank_0_*model_states.pt")],
-     r"step_00000003: DeepSpeed could not load it"),
-    (lambda c: [f.unlink() for f in (c / "step_00000003").glob("dr_scale_state_rank*.pt")],
-     r"step_00000003: not a dr_scale checkpoint"),
+     r"no intact checkpoint: step_00000003: zero_pp_rank_0_mp_rank_00_model_states.pt has 1000 "
+     r"bytes, its manifest \d+"),
+    (lambda c: (c / "step_00000003" / "manifest.json").write_text("{"),
+     r"no intact checkpoint: step_00000003: manifest.json unreadable"),
+    # a checkpoint of a version without manifests goes by DeepSpeed's checks alone
+    (lambda c: [(c / "step_00000003" / "manifest.json").unlink(),
+                (c / "step_00000003" / "dr_scale_state_rank1.pt").unlink()],
+     r"step_00000003: dr_scale state of 1 rank\(s\) but DeepSpeed shards of 2 \(incomplete checkpoint\)"),
 ])
 def test_bad_checkpoints_are_one_line_errors_and_nothing_is_overwritten(
         damage, pattern, reference, short_run, cache_dir, tmp_path):
@@ -118,7 +124,7 @@ def test_bad_checkpoints_are_one_line_errors_and_nothing_is_overwritten(
 
     import shutil
 
-    ds, _ = reference
+    ds, _, _ = reference
     run = tmp_path / "run"
     shutil.copytree(short_run, run)
     damage(run / "checkpoints")
@@ -134,6 +140,37 @@ def test_bad_checkpoints_are_one_line_errors_and_nothing_is_overwritten(
     assert {k: v for k, v in after.items() if "resumes" not in str(k)} == before
 
 
+def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(reference, cache_dir, tmp_path):
+    """Bytes flipped inside step 12's largest file, its size unchanged (a load would read wrong
+    numbers without a word): `dr-scale verify` names the file, and --resume says so in one line,
+    continues from step 9 and logs the reference's losses again for steps 10-12."""
+    import shutil
+
+    ds, expected, reference_run = reference
+    run = tmp_path / "run"
+    shutil.copytree(reference_run, run)
+    ckpt = run / "checkpoints"
+    victim = max((ckpt / "step_00000012").glob("*.pt"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    check = subprocess.run([sys.executable, "-m", "dr_scale.cli", "verify", "--run_dir", str(run),
+                            "--workers", "2"], capture_output=True, text=True)
+    assert check.returncode == 2, check.stderr[-2000:]
+    assert f"{ckpt / 'step_00000009'}: intact" in check.stdout
+    assert f"{ckpt / 'step_00000012'}: NOT INTACT: {victim.name}: CRC-32" in check.stdout
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume"], 2, cache_dir)
+    warnings = [line for line in proc.stderr.splitlines() if "not intact" in line]
+    assert len(warnings) == 1 and re.fullmatch(
+        rf"dr_scale: warning: {re.escape(str(ckpt / 'step_00000012'))}: not intact "
+        rf"\({re.escape(victim.name)}: CRC-32 [0-9a-f]{{8}}, its manifest [0-9a-f]{{8}} "
+        rf"\(damaged\)\); resuming from step_00000009", warnings[0]), proc.stderr[-2000:]
+    assert f"resumed from {ckpt / 'step_00000009'} at step 9" in proc.stdout
+    got = {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+    assert got == expected                                       # bitwise, fp32
+    assert json.loads((ckpt / "step_00000012" / "manifest.json").read_text())["step"] == 12
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, reference, short_run,
                                                                      cache_dir, tmp_path):
@@ -145,7 +182,7 @@ def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, refere
     import resource
     import shutil
 
-    ds, _ = reference
+    ds, _, _ = reference
     run = tmp_path / "run"
     shutil.copytree(short_run, run)
     ckpt = run / "checkpoints"
@@ -175,7 +212,7 @@ def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, refere
 def test_checkpoint_of_another_shape_is_refused(reference, short_run, cache_dir, tmp_path):
     import shutil
 
-    ds, _ = reference
+    ds, _, _ = reference
     run = tmp_path / "run"
     shutil.copytree(short_run, run)
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "model.num_layers=2"], 2,
@@ -190,7 +227,7 @@ def test_resume_with_another_tokenizer_is_refused(reference, short_run, cache_di
     from dr_scale.data.text_files import iter_documents
     from dr_scale.data.tokenizer import train_tokenizer
 
-    ds, _ = reference
+    ds, _, _ = reference
     run = tmp_path / "run"
     shutil.copytree(short_run, run)
     other = train_tokenizer(iter_documents([CORPUS]), tmp_path / "other", 2048)
@@ -224,7 +261,7 @@ def test_sigterm_saves_and_resume_auto_continues(reference, cache_dir, tmp_path)
     empty folder; SIGTERM stops both ranks at one step boundary with a checkpoint there (between
     the save interval's checkpoints) and exit status 75; the same command continues, twice over,
     and the losses are the uninterrupted run's, bitwise (fp32)."""
-    ds, expected = reference
+    ds, expected, _ = reference
     run = tmp_path / "run"
     command = ["--ds_config", ds, "--run_dir", run, "--resume", "auto", *ARGS]
     stops = []
@@ -265,7 +302,7 @@ def test_slurm_script_tasks_stop_on_sigusr1_and_continue(reference, cache_dir, t
 
     text = (ROOT / "launchers" / "slurm_pretrain.sbatch").read_text()
     task = re.search(r"srun [^\n]*bash -c '(.*?)' _ \"\$@\"", text, re.S).group(1)
-    ds, expected = reference
+    ds, expected, _ = reference
     run = tmp_path / "run"
     args = ["--ds_config", str(ds), "--run_dir", str(run), *ARGS]
     port = str(free_port())
@@ -350,7 +387,7 @@ def test_torchrun_elastic_agent_restarts_a_group_that_lost_a_rank(reference, cac
     checkpoint to the uninterrupted run's losses, bitwise (fp32), each step once."""
     import psutil
 
-    ds, expected = reference
+    ds, expected, _ = reference
     run = tmp_path / "run"
     env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), OMP_NUM_THREADS="1", NPROC_PER_NODE="2",
                MAX_RESTARTS="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", JOB_ID="elastic_test")

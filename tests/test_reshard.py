@@ -45,8 +45,13 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
     full = uninterrupted(save_ranks, save_ds)
     run = tmp_path / "run"
     stopped_at(full, run, 4)
-    proc = launch(["--ds_config", resume_ds, "--run_dir", run, "--resume"], resume_ranks, cache_dir)
+    proc = launch(["--ds_config", resume_ds, "--run_dir", run, "--resume",
+                   "train.keep_checkpoints=1"], resume_ranks, cache_dir)
     assert "resharding" in proc.stdout and "at step 4 (32 samples consumed)" in proc.stdout
+    # the step-4 checkpoint went at step 8's save, and the universal form made from it with it
+    ckpt = run / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_00000008", "universal"]
+    assert not list(ckpt.glob("universal/*/step_00000004"))
     a, b = losses(full), losses(run)
     assert sorted(b) == list(range(1, 9))
     for step in range(5, 9):  # same data and weights, other reduction order and sharding

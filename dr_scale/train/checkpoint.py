@@ -117,6 +117,14 @@ def find_tag(ckpt_dir: Path, step: Optional[int] = None) -> str:
     return tag
 
 
+def remove_checkpoint(ckpt_dir: Path, tag: str):
+    """Delete checkpoint `tag` and every universal form converted from it."""
+    ckpt_dir = Path(ckpt_dir)
+    for converted in (ckpt_dir / "universal").glob(f"*/{tag}"):
+        shutil.rmtree(converted, ignore_errors=True)
+    shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+
+
 def ranks_written(tag_dir: Path) -> int:
     written = len(list(tag_dir.glob(STATE_FILE.format(rank="*"))))
     if written == 0:
@@ -180,13 +188,13 @@ def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
 
 
 def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
-         target_stage: int = 0):
-    """Load the latest checkpoint into ``engine``; returns (our state dict, path). With a
-    changed number of ranks every rank takes rank 0's state (all ranks' states are equal: one
-    seed, data position by step)."""
+         target_stage: int = 0, tag: Optional[str] = None):
+    """Load checkpoint `tag` (default: the latest) into ``engine``; returns (our state dict,
+    path). With a changed number of ranks every rank takes rank 0's state (all ranks' states are
+    equal: one seed, data position by step)."""
     ckpt_dir = Path(ckpt_dir)
     rank = topology.rank
-    tag = find_tag(ckpt_dir)
+    tag = tag or find_tag(ckpt_dir)
     path = ckpt_dir / tag
     load_dir = (universal_dir(ckpt_dir, target_stage, topology.world)
                 if plan == "universal" else ckpt_dir)

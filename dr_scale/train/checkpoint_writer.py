@@ -38,8 +38,9 @@ import torch.distributed as dist
 
 from dr_scale.runtime import comm, nvme_offload
 from dr_scale.errors import DrScaleError
+from dr_scale.train import manifest
 from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
-                                       fsync_file, tag_for, write_atomic)
+                                       fsync_file, remove_checkpoint, tag_for, write_atomic)
 
 
 class FileLedger:
@@ -68,6 +69,8 @@ class CheckpointWriter:
                  asynchronous: bool = False, timeout_s: int = 600):
         """`topology`: the run's (this rank's place)."""
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), topology.rank
+        self.layout = {"world": topology.world, "tensor": topology.tensor,
+                       "pipeline": topology.pipeline, "zero_stage": engine.zero_optimization_stage()}
         self.keep_last, self.asynchronous = keep_last, asynchronous
         self.ledger = FileLedger(engine.checkpoint_engine)
         engine.checkpoint_engine = self.ledger
@@ -110,16 +113,18 @@ class CheckpointWriter:
         # (EMA weights) changes after every step, not only at the optimizer's.
         state_path = staging / tag / STATE_FILE.format(rank=rank)
         failure = _written(lambda: torch.save(state, state_path), state_path)
+        position = (step, int(state.get("consumed_samples", 0)))
         if not self.asynchronous:
             failure = failure or self._write(writes)
             path = self.publish(tag, [Path(p) for _, p in writes] + [state_path] + copied,
-                                failure=failure)
+                                failure=failure, position=position)
             return step, path, time.perf_counter() - t0
         self._writes_done.clear()
         self._error = None
         self._pending = (step, self.ckpt_dir / tag)
         self._thread = threading.Thread(target=self._write_and_commit,
-                                        args=(tag, writes, [state_path, *copied], failure),
+                                        args=(tag, writes, [state_path, *copied], failure,
+                                              position),
                                         name=f"dr_scale checkpoint {tag}", daemon=True)
         self._thread.start()
         self._blocked_s = time.perf_counter() - t0
@@ -179,7 +184,7 @@ class CheckpointWriter:
         return None
 
     def _write_and_commit(self, tag: str, writes: list, written: List[Path],
-                          failure: Optional[str]):
+                          failure: Optional[str], position: tuple):
         try:
             try:
                 failure = failure or self._write(writes)
@@ -187,21 +192,26 @@ class CheckpointWriter:
                 del writes  # the references to the live tensors
             finally:
                 self._writes_done.set()
-            self.publish(tag, paths, group=self.group, failure=failure)
+            self.publish(tag, paths, group=self.group, failure=failure, position=position)
         except BaseException as e:  # noqa: BLE001 - reported to the loop at its next wait
             self._error = e
 
     def publish(self, tag: str, files: List[Path], group=None,
-                failure: Optional[str] = None) -> Path:
-        """Each rank fsyncs what it wrote; when every rank confirms, rank 0 publishes.
-        `failure`: this rank could not write its files (the line says why)."""
+                failure: Optional[str] = None, position: tuple = (0, 0)) -> Path:
+        """Each rank fsyncs and checksums what it wrote; when every rank confirms, rank 0
+        writes the manifest (manifest.py) and publishes. `failure`: this rank could not write
+        its files (the line says why); `position`: (step, samples consumed)."""
         ok = torch.tensor([0.0 if failure else 1.0])
         failed = failure or ""
+        staging, final = self.ckpt_dir / STAGING, self.ckpt_dir / tag
+        described = {}
         try:
             for f in [] if failure else files:
                 fsync_file(f)
             for d in [] if failure else sorted({f.parent for f in files}):
                 fsync_dir(d)  # their names too (zero3_nvme's swap files have a folder a rank)
+            if not failure:  # read back from the page cache, on every rank at once
+                described = manifest.describe(files, staging / tag)
         except OSError as e:
             ok.zero_()
             failed = f"{e.filename}: {e.strerror}"
@@ -210,8 +220,10 @@ class CheckpointWriter:
             raise DrScaleError(f"checkpoint {tag}: " + (failed or "another rank could not write "
                                "its files") + f"; {self.ckpt_dir / LATEST} still names the "
                                "previous checkpoint")
-        staging, final = self.ckpt_dir / STAGING, self.ckpt_dir / tag
+        every_ranks = comm.all_gather_object(described, group=group)
         if self.rank == 0:
+            manifest.write(staging / tag, {k: v for d in every_ranks for k, v in d.items()},
+                           *position, self.layout)  # the last file of the checkpoint
             for d in sorted({f.parent for f in files} | {staging / tag}):
                 fsync_dir(d)  # the new names in the folder, where this rank made them
             if final.exists():  # the same step saved again after a resume: replace it whole
@@ -230,7 +242,7 @@ class CheckpointWriter:
             # after the barrier: the other ranks are training while old ones go
             for old in complete_tags(self.ckpt_dir)[:-self.keep_last]:
                 if old != tag:
-                    shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
+                    remove_checkpoint(self.ckpt_dir, old)
         return final
 
 

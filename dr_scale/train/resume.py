@@ -3,6 +3,7 @@ loads (directly, or converted once to DeepSpeed's universal form before the proc
 the run folder itself."""
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 from dr_scale.runtime import comm, nvme_offload
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
-from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position
+from dr_scale.train import manifest
+from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position, step_of
 from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universal_ready,
                                     wait_for_universal)
 
@@ -64,15 +66,40 @@ class ResumePlan:
     zero_stage: int
 
 
-def plan_resume(run_dir: Path, topo, ds: dict) -> ResumePlan:
+def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePlan:
     ckpt_dir = run_dir / "checkpoints"
-    tag = find_tag(ckpt_dir)
+    tag = newest_intact(ckpt_dir, timeout_s)
     stage = dsc.zero_stage(ds)
     mode = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
                         target_nvme=nvme_offload.optimizer_on_nvme(ds),
                         sub_group_size=dsc.sub_group_size(ds))
     step, consumed = saved_position(ckpt_dir / tag)
     return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage)
+
+
+def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
+    """The checkpoint to resume from: the latest, or, when its manifest shows it incomplete or
+    damaged, the newest one before it that is intact (rank 0 says which it skipped and why, one
+    line each). Sizes are compared by every rank, checksums by global rank 0 (manifest.py); every
+    rank walks the same list in the same order, so all arrive at the same checkpoint."""
+    latest = find_tag(ckpt_dir)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    candidates = [t for t in reversed(complete_tags(ckpt_dir)) if step_of(t) <= step_of(latest)]
+    skipped = []
+    for tag in candidates:
+        fault = (manifest.verify(ckpt_dir / tag) if rank0
+                 else manifest.wait_for_verdict(ckpt_dir / tag, timeout_s))
+        if fault is None:
+            for bad, why in skipped if rank0 else ():
+                sys.stderr.write(f"dr_scale: warning: {ckpt_dir / bad}: not intact ({why}); "
+                                 f"resuming from {tag}\n")
+                sys.stderr.flush()
+            return tag
+        skipped.append((tag, fault))
+    raise DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
+                       + (f" (and {len(skipped) - 1} older one(s) not intact either; `dr-scale "
+                          f"verify --run_dir {ckpt_dir.parent}` lists them)"
+                          if len(skipped) > 1 else ""))
 
 
 def convert_before_group(plan: ResumePlan, world: int, timeout_s: int):

@@ -21,7 +21,7 @@ from dr_scale.train.preemption import StopSignals
 
 class Trainer:
     def __init__(self, engine, cfg, sources, batch_sizes, topology, run_dir, logger, facts, device,
-                 callbacks=(), stop_at_step=None, resume_plan="direct"):
+                 callbacks=(), stop_at_step=None, resume_plan=None):
         """`topology`: dr_scale.parallel.topology.Topology; `facts`: train.start.RunFacts (FLOPs
         per token with and without recomputation, this rank's peak)."""
         self.engine, self.cfg, self.sources, self.batch_sizes = engine, cfg, sources, batch_sizes
@@ -111,8 +111,10 @@ class Trainer:
     def resume(self):
         with hangs.doing("checkpoint load"):
             state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                          self.topology, self.model_signature, self.resume_plan,
-                                          self.engine.zero_optimization_stage())
+                                          self.topology, self.model_signature,
+                                          self.resume_plan.mode,
+                                          self.engine.zero_optimization_stage(),
+                                          tag=self.resume_plan.tag)
         self.step = int(state["step"])
         self.consumed_samples = int(state["consumed_samples"])
         checkpoint.set_rng_state(state["rng"])

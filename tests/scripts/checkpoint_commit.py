@@ -19,8 +19,9 @@ def rank_main(rank, port, ckpt_dir, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     ckpt_dir = Path(ckpt_dir)
-    # publish() needs no engine: the files are the ranks' own
-    writer = CheckpointWriter(types.SimpleNamespace(checkpoint_engine=None), ckpt_dir,
+    # publish() needs no engine: the files are the ranks' own (the stage goes in the manifest)
+    engine = types.SimpleNamespace(checkpoint_engine=None, zero_optimization_stage=lambda: 1)
+    writer = CheckpointWriter(engine, ckpt_dir,
                               Topology(2, rank=rank), keep_last=2)
     result = {}
     for step in (1, 2, 3, 4):
@@ -31,7 +32,7 @@ def rank_main(rank, port, ckpt_dir, out):
         if step == 4 and rank == 1:
             mine.unlink()  # this rank's write was lost
         try:
-            writer.publish(tag_for(step), [mine])
+            writer.publish(tag_for(step), [mine], position=(step, 8 * step))
             result[step] = "published"
         except DrScaleError as e:
             result[step] = str(e)
