@@ -25,8 +25,10 @@ def estimate(ds, ranks, *extra, device="cpu"):
     return json.loads(out.getvalue())["bytes_per_rank"]
 
 
+# ZeRO-1 on 2 data ranks is left out for CI's time: its optimizer state is partitioned as in the
+# ZeRO-3 case, and its whole parameters and gradients are measured in the TP case
 @pytest.mark.parametrize("ds, ranks, extra", [
-    ("zero1", 2, []), ("zero3", 2, []),
+    ("zero3", 2, []),
     ("zero1", 2, ["parallel.tensor_parallel=2"]),
 ])
 def test_estimate_within_25_percent_of_measured_peak(cache_dir, tmp_path, ds, ranks, extra):

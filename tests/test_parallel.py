@@ -95,7 +95,8 @@ def test_reference_learns(reference):
     assert reference[0][-1] < reference[0][0] - 0.3
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+# TP 2 under ZeRO-1 trains in the sequence-parallel and the pipeline (1-2-2) cases below
+@pytest.mark.parametrize("stage", [3])
 def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
     """ZeRO-3 with the loss fused over each rank's vocabulary slice, 64 tokens a chunk (four
     chunks of the 256-token micro-batch; the 1-rank reference computes whole logits)."""
