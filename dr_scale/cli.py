@@ -132,10 +132,11 @@ def cmd_reshard(a):
         except (OSError, ValueError) as e:
             raise DrScaleError(f"{snapshot}: unreadable ({type(e).__name__}); give --zero_stage")
     tensor, pipeline = saved_parallel_layout(ckpt_dir / tag)
+    tensor = a.tensor_parallel or tensor
     plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline)
     if plan == "direct":
-        print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}; "
-              "nothing to convert")
+        print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, tensor "
+              f"parallel {tensor}; nothing to convert")
         return
     workers = a.workers or default_workers(ckpt_dir / tag)
     print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage} with {workers} "
@@ -297,6 +298,9 @@ def build_parser():
     rs.add_argument("--ranks", type=int, required=True, help="the world size of the resumed run")
     rs.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="of the resumed run (default: the run's own ds_config.json)")
+    rs.add_argument("--tensor_parallel", type=int, default=None,
+                    help="of the resumed run (default: the checkpoint's own; ZeRO-1/2, without "
+                    "pipeline parallelism)")
     rs.add_argument("--step", type=int, default=None,
                     help="default: the latest checkpoint, the one --resume loads")
     rs.add_argument("--workers", type=int, default=None, help="parallel conversion processes "

@@ -104,17 +104,17 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
     got = run(tmp_path, cache_dir, f"tp2_z{stage}", stage, 2, 4, "parallel.tensor_parallel=2",
               *chunks)
     assert_same(got, reference)
-    # Resuming it: the same layout loads directly; another TP size, or another number of ranks
-    # (DeepSpeed's universal conversion would join row-parallel slices wrongly), is refused.
+    # Resuming it: the same layout loads directly; another TP size or number of ranks is
+    # refused at ZeRO-3 (ZeRO-1/2 convert: test_reshard.py), here and at ZeRO-1
     from dr_scale.train.reshard import reshard_plan
 
     ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"
-    with pytest.raises(DrScaleError, match="written with tensor_parallel=2 x pipeline_parallel=1, "
-                                           "resumed with 1 x 1"):
-        reshard_plan(ckpt, tag, 2, stage, tensor=1)
-    with pytest.raises(DrScaleError, match="resumes on 2 rank.s. only, not 4"):
-        reshard_plan(ckpt, tag, 4, stage, tensor=2)
+    for ranks, tensor, target_stage in ((2, 1, 3), (4, 2, 3), (2, 1, 1)):
+        with pytest.raises(DrScaleError, match=f"written with tensor_parallel=2 on 2 rank.s., "
+                                               f"resumed with {tensor} on {ranks} at ZeRO-"
+                                               f"{target_stage}: with tensor parallelism at ZeRO-3"):
+            reshard_plan(ckpt, tag, ranks, target_stage, tensor=tensor)
 
 
 def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
@@ -146,12 +146,20 @@ def test_data_2_x_tensor_2_equals_one_rank(reference, tmp_path, cache_dir, stage
 def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data, tensor, micro):
     """DP x TP x PP = 2x1x2 and 1x2x2 with ZeRO-1 on 4 ranks: 1F1B over the step's
     micro-batches; under TP each stage's linears are split across its tensor group."""
-    losses, _, _, ds_norm, weights, _, _ = run(tmp_path, cache_dir, f"dp{data}_tp{tensor}_pp2", 1, 4,
-                                         micro, "parallel.pipeline_parallel=2",
-                                         f"parallel.tensor_parallel={tensor}", monitor=False)
+    losses, _, _, ds_norm, weights, _, out = run(tmp_path, cache_dir, f"dp{data}_tp{tensor}_pp2",
+                                               1, 4, micro, "parallel.pipeline_parallel=2",
+                                               f"parallel.tensor_parallel={tensor}", monitor=False)
     assert losses == pytest.approx(reference[0], rel=1e-5)
     assert ds_norm == pytest.approx(reference[3], rel=1e-5)
     assert_same_weights(weights, reference[4])
+    # its checkpoint resumes on its own layout; any other is refused in one line, for now
+    from dr_scale.train.reshard import reshard_plan
+
+    ckpt, tag = out / "checkpoints", f"step_{STEPS:08d}"
+    assert reshard_plan(ckpt, tag, 4, 1, tensor=tensor, pipeline=2) == "direct"
+    with pytest.raises(DrScaleError, match="a pipeline-parallel checkpoint resumes on the same "
+                                           "layout and ranks only"):
+        reshard_plan(ckpt, tag, 2, 1, tensor=tensor, pipeline=1)
 
 
 def test_gpt2_pipeline_2_stages_equals_one_rank(tmp_path, cache_dir):

@@ -36,28 +36,19 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     tag_dir = Path(ckpt_dir) / tag
     written = ranks_written(tag_dir)
     saved = saved_parallel_layout(tag_dir)
-    if saved != (tensor, pipeline):
-        raise DrScaleError(
-            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]}, "
-            f"resumed with {tensor} x {pipeline}: resume with the same parallel.tensor_parallel and "
-            f"parallel.pipeline_parallel (to change them, `dr-scale export` the weights and start "
-            f"a run from them with model.init_from)")
-    if (tensor > 1 or pipeline > 1) and written != world_size:
-        # DeepSpeed's universal conversion joined AutoTP's row-parallel slices on the wrong
-        # dimension (o_proj came out 2x taller): a wrong model, not an error. Those checkpoints
-        # lacked AutoTP's record of its row-parallel parameters (the writer's client_state
-        # replaced it); checkpoints keep it now, and until the conversion is shown right with
-        # it, this stays refused.
-        raise DrScaleError(
-            f"{tag_dir}: a tensor- or pipeline-parallel checkpoint of {written} rank(s) resumes on "
-            f"{written} rank(s) only, not {world_size}; to change the data-parallel size, "
-            f"`dr-scale export` the weights and start a run from them with model.init_from")
+    layout_changes = saved != (tensor, pipeline) or (max(saved) > 1 and written != world_size)
+    if layout_changes:
+        _refuse_layout_change(tag_dir, saved, (tensor, pipeline), written, world_size,
+                              saved_zero_family(tag_dir), target_stage)
     family = saved_zero_family(tag_dir)
     shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
         raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
                            f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
     target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
+    if layout_changes:  # a change of tensor-parallel size goes through it (tested exact)
+        _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
+        return "universal"
     if written == world_size and family == target:
         saved_groups = saved_sub_group_size(tag_dir)
         if family != 3 or sub_group_size in (None, saved_groups):
@@ -80,6 +71,54 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
         f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
         "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
         "and model.init_from")
+
+
+def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: int,
+                          world_size: int, family: int, target_stage: int) -> None:
+    """A change of tensor-parallel size (and of the data-parallel size with it) goes through
+    DeepSpeed's universal form: AutoTP records which of its parameters are row-parallel,
+    replicated or vocabulary-sliced in the checkpoint, ds_to_universal joins the slices by it,
+    and the load cuts them again for the new tensor rank (tests/test_reshard.py: losses after the
+    change within 1e-7 of the uninterrupted run's, both ways, at ZeRO-1). Not yet through it:
+    pipeline stages (their parameters are named by layer index in DeepSpeed's pipeline files, not
+    by the model's names), and ZeRO-3 with tensor parallelism (its slices are partitioned by our
+    own build, a load the universal form has not been shown to serve)."""
+    way_out = ("to change it, `dr-scale export` the weights and start a run from them with "
+               "model.init_from (a fresh optimizer)")
+    if saved[1] > 1 or target[1] > 1:
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on "
+            f"{written} rank(s), resumed with {target[0]} x {target[1]} on {world_size}: a "
+            f"pipeline-parallel checkpoint resumes on the same layout and ranks only; {way_out}")
+    if 0 in (family, target_stage):
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} on {written} rank(s), resumed "
+            f"with {target[0]} on {world_size}: a change of tensor-parallel size goes through "
+            f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
+    if max(saved[0], target[0]) > 1 and (family == 3 or target_stage == 3):
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} on {written} rank(s), resumed "
+            f"with {target[0]} on {world_size} at ZeRO-{target_stage}: with tensor parallelism "
+            f"at ZeRO-3 a checkpoint resumes on the same layout and ranks only (ZeRO-1/2 convert "
+            f"between tensor-parallel sizes); {way_out}")
+    if saved[0] > 1 and not _autotp_record_kept(tag_dir):
+        raise DrScaleError(
+            f"{tag_dir}: written with tensor_parallel={saved[0]} by a dr_scale that did not keep "
+            f"AutoTP's record of its row-parallel parameters, without which the conversion joins "
+            f"their slices on the wrong dimension: it resumes on its own layout only; {way_out}")
+
+
+def _autotp_record_kept(tag_dir: Path) -> bool:
+    from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                                UNIVERSAL_CHECKPOINT_INFO)
+    import torch
+
+    files = sorted(Path(tag_dir).glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        return False
+    # DeepSpeed's own file (DeepSpeed loads it with weights_only=False too); mmap: no weights read
+    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    return PARAMETER_WITH_ROW_PARALLELISM_PATTERNS in (state.get(UNIVERSAL_CHECKPOINT_INFO) or {})
 
 
 def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
