@@ -36,16 +36,17 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     tag_dir = Path(ckpt_dir) / tag
     written = ranks_written(tag_dir)
     saved = saved_parallel_layout(tag_dir)
-    layout_changes = saved != (tensor, pipeline) or (max(saved) > 1 and written != world_size)
-    if layout_changes:
-        _refuse_layout_change(tag_dir, saved, (tensor, pipeline), written, world_size,
-                              saved_zero_family(tag_dir), target_stage)
     family = saved_zero_family(tag_dir)
+    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
+    layout_changes = saved != (tensor, pipeline) or (
+        max(saved) > 1 and (written != world_size or family != target))
+    if layout_changes:
+        _refuse_layout_change(tag_dir, saved, (tensor, pipeline), written, world_size, family,
+                              target_stage)
     shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
         raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
                            f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
-    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
     if layout_changes:  # a change of tensor-parallel size goes through it (tested exact)
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
         return "universal"
