@@ -121,6 +121,11 @@ def cmd_reshard(a):
     from dr_scale.train.checkpoint import find_tag, saved_parallel_layout
     from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
 
+    if a.to:
+        a.ranks, a.tensor_parallel, a.pipeline_parallel = parse_layout(a.to)
+    elif a.ranks is None:
+        raise DrScaleError("reshard: give --ranks N (with --tensor_parallel, --pipeline_parallel) "
+                           "or --to \"dp=2 tp=1 pp=2\"")
     run_dir = Path(a.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     tag = find_tag(ckpt_dir, a.step)
@@ -133,19 +138,32 @@ def cmd_reshard(a):
             raise DrScaleError(f"{snapshot}: unreadable ({type(e).__name__}); give --zero_stage")
     tensor, pipeline = saved_parallel_layout(ckpt_dir / tag)
     tensor = a.tensor_parallel or tensor
+    pipeline = a.pipeline_parallel or pipeline
     plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline)
     if plan == "direct":
-        print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, tensor "
-              f"parallel {tensor}; nothing to convert")
+        print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, TP "
+              f"{tensor} x PP {pipeline}; nothing to convert")
         return
     workers = a.workers or default_workers(ckpt_dir / tag)
-    print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage} with {workers} "
-          "worker(s)", flush=True)
+    print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage}, TP {tensor} x PP "
+          f"{pipeline}, with {workers} worker(s)", flush=True)
     t0 = time.time()
-    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers)
+    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers, pipelined=pipeline > 1)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     print(f"wrote {out} in {time.time() - t0:.1f} s (largest process {peak:.2f} GiB); "
           f"`--resume` on {a.ranks} rank(s) loads it")
+
+
+def parse_layout(text: str) -> tuple:
+    """"dp=2 tp=1 pp=2" -> (ranks, tensor, pipeline)."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1}
+    for part in text.replace(",", " ").split():
+        key, _, value = part.partition("=")
+        if key not in sizes or not value.isdigit() or int(value) < 1:
+            raise DrScaleError(f"--to {text!r}: expected sizes like \"dp=2 tp=1 pp=2\" (dp, tp, "
+                               f"pp, each a whole number >= 1), got {part!r}")
+        sizes[key] = int(value)
+    return sizes["dp"] * sizes["tp"] * sizes["pp"], sizes["tp"], sizes["pp"]
 
 
 def cmd_verify(a):
@@ -295,12 +313,15 @@ def build_parser():
     rs = sub.add_parser("reshard", help="convert a checkpoint for another number of ranks or "
                         "ZeRO stage, ahead of the job that resumes it")
     rs.add_argument("--run_dir", required=True)
-    rs.add_argument("--ranks", type=int, required=True, help="the world size of the resumed run")
+    rs.add_argument("--ranks", type=int, default=None, help="the world size of the resumed run")
+    rs.add_argument("--to", default=None, help="the resumed run's layout, \"dp=2 tp=1 pp=2\" "
+                    "(instead of --ranks, --tensor_parallel, --pipeline_parallel)")
     rs.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="of the resumed run (default: the run's own ds_config.json)")
     rs.add_argument("--tensor_parallel", type=int, default=None,
-                    help="of the resumed run (default: the checkpoint's own; ZeRO-1/2, without "
-                    "pipeline parallelism)")
+                    help="of the resumed run (default: the checkpoint's own; ZeRO-1/2)")
+    rs.add_argument("--pipeline_parallel", type=int, default=None,
+                    help="of the resumed run (default: the checkpoint's own; ZeRO-1/2)")
     rs.add_argument("--step", type=int, default=None,
                     help="default: the latest checkpoint, the one --resume loads")
     rs.add_argument("--workers", type=int, default=None, help="parallel conversion processes "

@@ -111,9 +111,10 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
     ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"
     for ranks, tensor, target_stage in ((2, 1, 3), (4, 2, 3), (2, 1, 1)):
-        with pytest.raises(DrScaleError, match=f"written with tensor_parallel=2 on 2 rank.s., "
-                                               f"resumed with {tensor} on {ranks} at ZeRO-"
-                                               f"{target_stage}: with tensor parallelism at ZeRO-3"):
+        with pytest.raises(DrScaleError, match=f"written with tensor_parallel=2 x pipeline_"
+                                               f"parallel=1 on 2 rank.s., resumed with {tensor} x "
+                                               f"1 on {ranks} at ZeRO-{target_stage}: with tensor "
+                                               f"parallelism at ZeRO-3"):
             reshard_plan(ckpt, tag, ranks, target_stage, tensor=tensor)
 
 
@@ -152,14 +153,20 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert losses == pytest.approx(reference[0], rel=1e-5)
     assert ds_norm == pytest.approx(reference[3], rel=1e-5)
     assert_same_weights(weights, reference[4])
-    # its checkpoint resumes on its own layout; any other is refused in one line, for now
+    # its checkpoint loads directly on its own layout; without TP it converts to another (the
+    # losses after: test_reshard.py); with TP, or to ZeRO-3, it is refused in one line
     from dr_scale.train.reshard import reshard_plan
 
     ckpt, tag = out / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 4, 1, tensor=tensor, pipeline=2) == "direct"
-    with pytest.raises(DrScaleError, match="a pipeline-parallel checkpoint resumes on the same "
-                                           "layout and ranks only"):
-        reshard_plan(ckpt, tag, 2, 1, tensor=tensor, pipeline=1)
+    if tensor == 1:
+        assert reshard_plan(ckpt, tag, 2, 1, tensor=1, pipeline=1) == "universal"
+        with pytest.raises(DrScaleError, match="a pipeline converts between ZeRO-1/2 layouts only"):
+            reshard_plan(ckpt, tag, 2, 3, tensor=1, pipeline=1)
+    else:
+        with pytest.raises(DrScaleError, match="pipeline and tensor parallelism together convert "
+                                               "on their own layout only"):
+            reshard_plan(ckpt, tag, 2, 1, tensor=tensor, pipeline=1)
 
 
 def test_gpt2_pipeline_2_stages_equals_one_rank(tmp_path, cache_dir):

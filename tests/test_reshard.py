@@ -60,52 +60,83 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
 
 
 @pytest.fixture(scope="module")
-def fp32_zero1(tmp_path_factory):
+def fp32_uninterrupted(cache_dir, tmp_path_factory):
+    """8-step fp32 ZeRO-1 runs on 2 ranks by layout, shared by the layout-change cases."""
     from tests.test_train_distributed import fp32_config
 
-    return fp32_config(tmp_path_factory.mktemp("fp32"), 1)
+    tmp = tmp_path_factory.mktemp("fp32")
+    config, runs = fp32_config(tmp, 1), {}
+
+    def get(layout: str):
+        if layout not in runs:
+            runs[layout] = tmp / f"full_{layout}"
+            launch(["--ds_config", config, "--run_dir", runs[layout], *ARGS,
+                    *LAYOUTS[layout]], 2, cache_dir)
+        return runs[layout]
+    get.config = config
+    return get
 
 
-def test_tensor_parallel_size_changes_carry_the_optimizer_state(fp32_zero1, cache_dir, tmp_path):
-    """TP 2 -> DP 2 and DP 2 -> TP 2 at ZeRO-1 in fp32, each against its own uninterrupted run:
-    through DeepSpeed's universal form, which joins AutoTP's slices by the record the checkpoint
-    keeps; steps 5-8 continue within 1e-5 relative (the global batch the same, the reduction
-    order not). The control: the same TP 2 -> DP 2 resume with Adam's moments zeroed in the
-    converted form misses by far more (the learning rate at steps 5-8 is 2/3 of its peak and
-    above), so the comparison sees the optimizer state."""
+LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_parallel=2"],
+           "pp2": ["parallel.pipeline_parallel=2"]}
+
+
+def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahead=False):
+    """`run` as stopped after step 4 of `full`, resumed on `layout`: the largest relative
+    difference from `full`'s losses over steps 5-8."""
+    proc = launch(["--ds_config", config, "--run_dir", run, "--resume",
+                   "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
+                   *LAYOUTS[layout]], 2, cache_dir)
+    assert ("resharding" in proc.stdout) is not converted_ahead
+    assert "at step 4 (32 samples consumed)" in proc.stdout
+    expected = {"dp2": "DP 2 x TP 1 x PP 1", "tp2": "DP 1 x TP 2 x PP 1",
+                "pp2": "DP 1 x TP 1 x PP 2"}[layout]
+    assert expected in proc.stdout
+    a, b = losses(full), losses(run)
+    assert sorted(b) == list(range(1, 9))
+    return max(abs(b[s] - a[s]) / a[s] for s in range(5, 9))
+
+
+@pytest.mark.parametrize("source, target", [("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2"),
+                                            ("dp2", "pp2")])
+def test_layout_changes_continue_the_uninterrupted_run(source, target, fp32_uninterrupted,
+                                                       cache_dir, tmp_path):
+    """TP 2 or PP 2 <-> DP 2 at ZeRO-1 in fp32, each against the target layout's uninterrupted
+    run: through DeepSpeed's universal form (a tensor-parallel checkpoint's slices joined by the
+    AutoTP record it keeps; a pipeline's parameters renamed from layer indices to the model's
+    names and back); steps 5-8 continue within 1e-5 relative (the global batch the same, the
+    reduction order not)."""
+    run = tmp_path / "run"
+    stopped_at(fp32_uninterrupted(source), run, 4)
+    apart = resume_on_another_layout(fp32_uninterrupted(target), target, run, cache_dir,
+                                     fp32_uninterrupted.config)
+    print(f"{source} -> {target}: steps 5-8 at most {apart:.1e} relative from the "
+          "uninterrupted run's")
+    assert apart <= 1e-5
+
+
+def test_a_layout_change_without_the_optimizer_state_misses(fp32_uninterrupted, cache_dir,
+                                                            tmp_path):
+    """The control of the test above: TP 2 -> DP 2 converted ahead of the job, Adam's moments
+    then zeroed in the converted form, misses the uninterrupted losses by far more than 1e-5
+    (the learning rate at steps 5-8 is 2/3 of its peak and above): the comparison sees the
+    optimizer state."""
     import torch
 
-    full = {}
-    for name, layout in (("tp2", ["parallel.tensor_parallel=2"]), ("dp2", [])):
-        full[name] = tmp_path / f"full_{name}"
-        launch(["--ds_config", fp32_zero1, "--run_dir", full[name], *ARGS, *layout], 2, cache_dir)
-    for source, target in (("tp2", "dp2"), ("dp2", "tp2"), ("tp2", "dp2 without Adam")):
-        run = tmp_path / f"{source}_to_{target.replace(' ', '_')}"
-        stopped_at(full[source], run, 4)
-        if target.endswith("without Adam"):  # converted ahead, then its moments zeroed
-            subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir", str(run),
-                            "--ranks", "2", "--tensor_parallel", "1"], check=True,
-                           capture_output=True, timeout=300)
-            moments = list((run / "checkpoints" / "universal").rglob("exp_avg*.pt"))
-            assert len(moments) > 20
-            for f in moments:
-                state = torch.load(f, weights_only=False)
-                state["param"].zero_()
-                torch.save(state, f)
-        tensor = "2" if target == "tp2" else "1"
-        proc = launch(["--ds_config", fp32_zero1, "--run_dir", run, "--resume",
-                       f"parallel.tensor_parallel={tensor}"], 2, cache_dir)
-        assert f"DP {3 - int(tensor)} x TP {tensor} x PP 1" in proc.stdout
-        assert "at step 4 (32 samples consumed)" in proc.stdout
-        a, b = losses(full[target.split()[0]]), losses(run)
-        assert sorted(b) == list(range(1, 9))
-        apart = max(abs(b[s] - a[s]) / a[s] for s in range(5, 9))
-        print(f"{source} -> {target}: steps 5-8 at most {apart:.1e} relative from the "
-              "uninterrupted run's")
-        if target.endswith("without Adam"):
-            assert apart > 1e-3
-        else:
-            assert apart <= 1e-5
+    run = tmp_path / "run"
+    stopped_at(fp32_uninterrupted("tp2"), run, 4)
+    subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir", str(run),
+                    "--to", "dp=2 tp=1"], check=True, capture_output=True, timeout=300)
+    moments = list((run / "checkpoints" / "universal").rglob("exp_avg*.pt"))
+    assert len(moments) > 20
+    for f in moments:
+        state = torch.load(f, weights_only=False)
+        state["param"].zero_()
+        torch.save(state, f)
+    apart = resume_on_another_layout(fp32_uninterrupted("dp2"), "dp2", run, cache_dir,
+                                     fp32_uninterrupted.config, converted_ahead=True)
+    print(f"tp2 -> dp2 with Adam's moments zeroed: steps 5-8 at most {apart:.1e} relative")
+    assert apart > 1e-3
 
 
 def test_reshard_ahead_of_the_job_with_parallel_workers(uninterrupted, cache_dir, tmp_path):

@@ -66,6 +66,19 @@ class PipelineLayout:
             return f"{self.blocks}.{layer - 1}.{key.removeprefix('block.')}"
         return f"{self.norm}.{key}" if layer == num_layers + 1 else f"lm_head.{key}"
 
+    def pipeline_name(self, name: str, num_layers: int, tied: bool) -> tuple:
+        """(layer, key) of the model's parameter `name` in the pipeline: model_name's inverse."""
+        if self.positions and name == f"{self.positions}.weight":
+            return 0, "positions.weight"
+        for prefix, layer in ((self.embedding, 0), (self.norm, num_layers + 1),
+                              ("lm_head", num_layers + 2)):
+            if name.startswith(prefix + "."):
+                return layer, name[len(prefix) + 1:]
+        if name.startswith(self.blocks + "."):
+            index, key = name[len(self.blocks) + 1:].split(".", 1)
+            return int(index) + 1, f"block.{key}"
+        raise ValueError(f"{name}: not a parameter of the pipeline's layers")
+
 
 @dataclass(frozen=True)
 class ModelSpec:

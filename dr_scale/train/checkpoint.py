@@ -180,11 +180,13 @@ def tensor_ranks(tag_dir: Path) -> list:
                    if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
-def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int) -> Path:
-    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank)."""
+def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int,
+                  pipelined: bool = False) -> Path:
+    """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank; a
+    pipeline names its parameters by layer and loads its weights from layer files)."""
     family = "zero3" if target_stage == 3 else "zero12"
-    return Path(ckpt_dir) / "universal" / (f"{family}-{world_size}ranks" if target_stage == 3
-                                           else family)
+    name = f"{family}-{world_size}ranks" if target_stage == 3 else family
+    return Path(ckpt_dir) / "universal" / (name + ("-pipeline" if pipelined else ""))
 
 
 def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
@@ -196,7 +198,7 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
     rank = topology.rank
     tag = tag or find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world)
+    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined)
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)
     state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
@@ -76,37 +78,42 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
 
 def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: int,
                           world_size: int, family: int, target_stage: int) -> None:
-    """A change of tensor-parallel size (and of the data-parallel size with it) goes through
-    DeepSpeed's universal form: AutoTP records which of its parameters are row-parallel,
-    replicated or vocabulary-sliced in the checkpoint, ds_to_universal joins the slices by it,
-    and the load cuts them again for the new tensor rank (tests/test_reshard.py: losses after the
-    change within 1e-7 of the uninterrupted run's, both ways, at ZeRO-1). Not yet through it:
-    pipeline stages (their parameters are named by layer index in DeepSpeed's pipeline files, not
-    by the model's names), and ZeRO-3 with tensor parallelism (its slices are partitioned by our
-    own build, a load the universal form has not been shown to serve)."""
-    way_out = ("to change it, `dr-scale export` the weights and start a run from them with "
-               "model.init_from (a fresh optimizer)")
-    if saved[1] > 1 or target[1] > 1:
-        raise DrScaleError(
-            f"{tag_dir}: written with tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on "
-            f"{written} rank(s), resumed with {target[0]} x {target[1]} on {world_size}: a "
-            f"pipeline-parallel checkpoint resumes on the same layout and ranks only; {way_out}")
+    """A change of tensor- or pipeline-parallel size (and of the data-parallel size with it)
+    goes through DeepSpeed's universal form. Tensor parallelism: AutoTP records which of its
+    parameters are row-parallel, replicated or sliced by vocabulary in the checkpoint,
+    ds_to_universal joins the slices by it, and the load cuts them again for the new tensor rank.
+    Pipelines: their parameters are named by layer index, renamed to the model's and back
+    (universal.py). Each tested exact in tests/test_reshard.py at ZeRO-1. Not through it (yet):
+    tensor and pipeline parallelism changed together, ZeRO-3 with tensor parallelism (its slices
+    are partitioned by our own build, a load the universal form has not been shown to serve)."""
+    was = f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on {written} rank(s)"
+    now = f"{target[0]} x {target[1]} on {world_size} at ZeRO-{target_stage}"
+    way_out = ("resume it on its own layout, or `dr-scale export` the weights and start a run "
+               "from them with model.init_from (a fresh optimizer)")
     if 0 in (family, target_stage):
         raise DrScaleError(
-            f"{tag_dir}: written with tensor_parallel={saved[0]} on {written} rank(s), resumed "
-            f"with {target[0]} on {world_size}: a change of tensor-parallel size goes through "
+            f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
+    if max(saved[1], target[1]) > 1 and max(saved[0], target[0]) > 1:
+        raise DrScaleError(
+            f"{tag_dir}: written with {was}, resumed with {now}: pipeline and tensor "
+            f"parallelism together convert on their own layout only (each alone converts); "
+            f"{way_out}")
+    if max(saved[1], target[1]) > 1 and 3 in (family, target_stage):
+        raise DrScaleError(
+            f"{tag_dir}: written with {was}, resumed with {now}: a pipeline converts between "
+            f"ZeRO-1/2 layouts only (ZeRO-3 names its state by the model's parameters); "
+            f"{way_out}")
     if max(saved[0], target[0]) > 1 and (family == 3 or target_stage == 3):
         raise DrScaleError(
-            f"{tag_dir}: written with tensor_parallel={saved[0]} on {written} rank(s), resumed "
-            f"with {target[0]} on {world_size} at ZeRO-{target_stage}: with tensor parallelism "
-            f"at ZeRO-3 a checkpoint resumes on the same layout and ranks only (ZeRO-1/2 convert "
+            f"{tag_dir}: written with {was}, resumed with {now}: with tensor parallelism at "
+            f"ZeRO-3 a checkpoint resumes on the same layout and ranks only (ZeRO-1/2 convert "
             f"between tensor-parallel sizes); {way_out}")
     if saved[0] > 1 and not _autotp_record_kept(tag_dir):
         raise DrScaleError(
             f"{tag_dir}: written with tensor_parallel={saved[0]} by a dr_scale that did not keep "
             f"AutoTP's record of its row-parallel parameters, without which the conversion joins "
-            f"their slices on the wrong dimension: it resumes on its own layout only; {way_out}")
+            f"their slices on the wrong dimension; {way_out}")
 
 
 def _autotp_record_kept(tag_dir: Path) -> bool:
@@ -146,8 +153,9 @@ def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
             f"resume it on {written} rank(s), or without NVMe offload, or {way_out}")
 
 
-def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int) -> bool:
-    return (universal_dir(ckpt_dir, target_stage, world_size) / tag /
+def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
+                    pipelined: bool = False) -> bool:
+    return (universal_dir(ckpt_dir, target_stage, world_size, pipelined) / tag /
             STATE_FILE.format(rank=0)).is_file()
 
 
@@ -163,7 +171,8 @@ def default_workers(tag_dir: Path) -> int:
 
 
 def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                         workers: Optional[int] = None, show_progress: bool = True) -> Path:
+                         workers: Optional[int] = None, show_progress: bool = True,
+                         pipelined: bool = False) -> Path:
     """Run DeepSpeed's ds_to_universal once per tag and target, then adapt it to the target's
     ZeRO family if the source was the other one; our rank-0 state goes along. DeepSpeed's
     progress bars (percent, rate, ETA) go to stderr. A failure leaves a one-line note for the
@@ -172,8 +181,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
 
     ckpt_dir = Path(ckpt_dir)
     source = saved_zero_family(ckpt_dir / tag)
-    out = universal_dir(ckpt_dir, target_stage, world_size) / tag
-    if universal_ready(ckpt_dir, tag, target_stage, world_size):
+    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined) / tag
+    if universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = out.parent / FAILED.format(tag=tag)
@@ -193,6 +202,12 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
                 dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
                 if not dst.exists():
                     shutil.copyfile(src, dst)
+        signature = torch.load(ckpt_dir / tag / STATE_FILE.format(rank=0), weights_only=True,
+                               mmap=True).get("model") or {}
+        if saved_parallel_layout(ckpt_dir / tag)[1] > 1:  # a pipeline's names -> the model's
+            universal.from_pipeline_names(tmp, signature)
+        if pipelined:
+            universal.to_pipeline_names(tmp, signature)
         shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
     except DrScaleError as e:
         failed.write_text(str(e) + "\n")
@@ -229,13 +244,13 @@ def _ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool
 
 
 def wait_for_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                       stall_s: int, poll_s: float = 0.5):
+                       stall_s: int, poll_s: float = 0.5, pipelined: bool = False):
     """Another rank converts (before any process group exists): wait for its output; give up
     with its error line, or when the conversion has written nothing for `stall_s` seconds."""
-    out = universal_dir(ckpt_dir, target_stage, world_size)
+    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined)
     failed = out / FAILED.format(tag=tag)
     last_change, last_size = time.monotonic(), -1
-    while not universal_ready(ckpt_dir, tag, target_stage, world_size):
+    while not universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined):
         if failed.is_file():
             raise DrScaleError(failed.read_text().strip())
         size = _bytes_under(out / f".{tag}.tmp")

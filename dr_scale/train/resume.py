@@ -64,6 +64,7 @@ class ResumePlan:
     consumed_samples: int
     mode: str
     zero_stage: int
+    pipelined: bool = False  # the resumed run's (its universal form is named for a pipeline)
 
 
 def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePlan:
@@ -74,7 +75,7 @@ def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePl
                         target_nvme=nvme_offload.optimizer_on_nvme(ds),
                         sub_group_size=dsc.sub_group_size(ds))
     step, consumed = saved_position(ckpt_dir / tag)
-    return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage)
+    return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage, topo.pipelined)
 
 
 def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
@@ -106,15 +107,15 @@ def convert_before_group(plan: ResumePlan, world: int, timeout_s: int):
     """--resume on another number of ranks or ZeRO family: the checkpoint is converted to
     DeepSpeed's universal format before the process group exists, by global rank 0 (the others
     wait for its output on the shared file system), so no collective waits on the conversion."""
-    ckpt_dir, tag, stage = plan.ckpt_dir, plan.tag, plan.zero_stage
-    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world):
+    ckpt_dir, tag, stage, pipelined = plan.ckpt_dir, plan.tag, plan.zero_stage, plan.pipelined
+    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world, pipelined):
         return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-{stage} "
               f"(DeepSpeed universal checkpoint; `dr-scale reshard` does this ahead of a job)",
               flush=True)
         t0 = time.time()
-        convert_to_universal(ckpt_dir, tag, stage, world)
+        convert_to_universal(ckpt_dir, tag, stage, world, pipelined=pipelined)
         print(f"dr_scale: resharded in {time.time() - t0:.1f} s", flush=True)
     else:
-        wait_for_universal(ckpt_dir, tag, stage, world, stall_s=timeout_s)
+        wait_for_universal(ckpt_dir, tag, stage, world, stall_s=timeout_s, pipelined=pipelined)

@@ -87,3 +87,62 @@ def repair_zero3_load(zero3, udir: Path):
                            f"has {len(groups)}")
     for group, own in zip(groups, saved):
         group.update({k: v for k, v in own.items() if k != "params"})
+
+
+# Between a pipeline's parameter names and the model's. DeepSpeed's PipelineModule names a
+# parameter by its layer's index ("3.block.mlp.up_proj.weight", "5.weight") and a tied layer's
+# under its key ("tied_modules.embed.weight": parallel/pipeline.py ties the embedding as
+# "embed"); the indices do not depend on the number of stages, so one renaming serves every
+# pipeline size. The family's PipelineLayout (models/spec.py) maps layers to model names.
+TIED_EMBEDDING = "tied_modules.embed."
+
+
+def _layout(signature: dict):
+    from dr_scale.models.build import spec_of
+
+    if not signature:
+        raise DrScaleError("the checkpoint's trainer state names no model (written by an older "
+                           "dr_scale): its pipeline's parameters cannot be named")
+    layout = spec_of(signature["arch"]).pipeline
+    if layout is None:
+        raise DrScaleError(f"model family {signature['arch']} has no pipeline layout")
+    return layout, int(signature["num_layers"]), bool(signature["tie_embeddings"])
+
+
+def from_pipeline_names(udir: Path, signature: dict):
+    """zero/<pipeline name> -> zero/<model name>; a tied embedding also under the LM head's name
+    (a module with the head tied names the one parameter both ways)."""
+    from dr_scale.models.build import spec_of
+
+    layout, num_layers, tied = _layout(signature)
+    zero = Path(udir) / "zero"
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        if folder.name.startswith(TIED_EMBEDDING):
+            layer, key = 0, folder.name[len(TIED_EMBEDDING):]
+        else:
+            index, key = folder.name.split(".", 1)
+            layer = int(index)
+        folder.rename(zero / layout.model_name(layer, key, num_layers))
+    embedding = spec_of(signature["arch"]).embedding_weight
+    if tied and (zero / embedding).is_dir():
+        shutil.copytree(zero / embedding, zero / "lm_head.weight")
+
+
+def to_pipeline_names(udir: Path, signature: dict, tensor_rank: int = 0):
+    """zero/<model name> -> zero/<pipeline name>, and the layer files a PipelineModule loads its
+    weights from (`layer_NN-model_MM-model_states.pt`), written a layer at a time from the fp32
+    values."""
+    layout, num_layers, tied = _layout(signature)
+    zero = Path(udir) / "zero"
+    by_layer: dict = {}
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        if tied and folder.name == "lm_head.weight":
+            shutil.rmtree(folder)  # the embedding's, under the tied layer's name
+            continue
+        layer, key = layout.pipeline_name(folder.name, num_layers, tied)
+        name = f"{TIED_EMBEDDING}{key}" if tied and layer == 0 else f"{layer}.{key}"
+        folder.rename(zero / name)
+        by_layer.setdefault(layer, []).append((key, zero / name / "fp32.pt"))
+    for layer, entries in sorted(by_layer.items()):
+        state = {key: _load(path)["param"] for key, path in entries}
+        torch.save(state, Path(udir) / f"layer_{layer:02d}-model_{tensor_rank:02d}-model_states.pt")
