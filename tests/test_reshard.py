@@ -67,12 +67,12 @@ def fp32_uninterrupted(cache_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp32")
     config, runs = fp32_config(tmp, 1), {}
 
-    def get(layout: str):
-        if layout not in runs:
-            runs[layout] = tmp / f"full_{layout}"
-            launch(["--ds_config", config, "--run_dir", runs[layout], *ARGS,
-                    *LAYOUTS[layout]], 2, cache_dir)
-        return runs[layout]
+    def get(layout: str, preset: str = "tiny"):
+        if (layout, preset) not in runs:
+            runs[layout, preset] = tmp / f"full_{layout}_{preset}"
+            launch(["--ds_config", config, "--run_dir", runs[layout, preset], *ARGS,
+                    f"model.preset={preset}", *LAYOUTS[layout]], 2, cache_dir)
+        return runs[layout, preset]
     get.config = config
     return get
 
@@ -112,6 +112,19 @@ def test_layout_changes_continue_the_uninterrupted_run(source, target, fp32_unin
                                      fp32_uninterrupted.config)
     print(f"{source} -> {target}: steps 5-8 at most {apart:.1e} relative from the "
           "uninterrupted run's")
+    assert apart <= 1e-5
+
+
+@pytest.mark.parametrize("preset, source", [("gpt2_tiny", "pp2"), ("qwen2_tiny", "tp2")])
+def test_each_family_changes_layout(preset, source, fp32_uninterrupted, cache_dir, tmp_path):
+    """GPT-2 (learned positions in the pipeline's tied embedding layer) and Qwen2 (q/k/v biases
+    sliced with their columns) to DP 2, against the source layout's uninterrupted run (the same
+    arithmetic as DP 2's to within 1e-5: tests/test_parallel.py, tests/test_qwen2.py)."""
+    run = tmp_path / "run"
+    full = fp32_uninterrupted(source, preset)
+    stopped_at(full, run, 4)
+    apart = resume_on_another_layout(full, "dp2", run, cache_dir, fp32_uninterrupted.config)
+    print(f"{preset} {source} -> dp2: steps 5-8 at most {apart:.1e} relative")
     assert apart <= 1e-5
 
 

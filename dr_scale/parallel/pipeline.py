@@ -120,6 +120,16 @@ def to_pipeline(model: nn.Module, shape, topo, checkpoint_every=0, document_mask
                                   partition_method="parameters",
                                   activation_checkpoint_interval=checkpoint_every)
     pipe.shape = shape  # the trainer and checkpoints read the model's shape from the module
+    if shape.tie_embeddings:
+        # The tied layer lives on the first and the last stage, and only its `weight` has its
+        # gradients summed between them: a learned-positions table in it (GPT-2's) trains on the
+        # first stage alone, the last one's copy drifts. DeepSpeed's universal conversion takes
+        # the first stage's copy of what this record names, not the last's.
+        from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+                                                    UNIVERSAL_CHECKPOINT_INFO)
+
+        setattr(pipe, UNIVERSAL_CHECKPOINT_INFO,
+                {PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"^tied_modules\."]})
     return pipe
 
 
