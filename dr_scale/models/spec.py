@@ -66,7 +66,7 @@ class PipelineLayout:
             return f"{self.blocks}.{layer - 1}.{key.removeprefix('block.')}"
         return f"{self.norm}.{key}" if layer == num_layers + 1 else f"lm_head.{key}"
 
-    def pipeline_name(self, name: str, num_layers: int, tied: bool) -> tuple:
+    def pipeline_name(self, name: str, num_layers: int) -> tuple:
         """(layer, key) of the model's parameter `name` in the pipeline: model_name's inverse."""
         if self.positions and name == f"{self.positions}.weight":
             return 0, "positions.weight"

@@ -11,8 +11,9 @@ takes the first that is intact: each rank compares the sizes itself (a stat per 
 rank 0 compares the checksums, reading the files in parallel threads, and leaves its verdict
 beside the manifest (`verified.json`), which the other ranks wait for. The verdict is kept: a
 requeued job does not read a verified checkpoint again. CRC-32 rather than a cryptographic hash:
-it guards against torn and damaged files, not against tampering, and zlib's runs at over
-1 GB/s on one core here (SHA-256: 0.55), releasing the GIL, so threads overlap.
+it guards against torn and damaged files, not against tampering, and zlib's runs at 2.2 GiB/s on
+one core of this project's CPUs (SHA-256: 1.4), releasing the GIL, so threads overlap; reading
+a rank's just-written files back and checksumming them ran at 1.0 GB/s.
 """
 import json
 import os

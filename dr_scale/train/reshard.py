@@ -52,7 +52,7 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
         raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
                            f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
-    if layout_changes:  # a change of tensor-parallel size goes through it (tested exact)
+    if layout_changes:  # a change of tensor- or pipeline-parallel size: through it (tested exact)
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
         return "universal"
     if written == world_size and family == target:

@@ -128,10 +128,10 @@ def from_pipeline_names(udir: Path, signature: dict):
         shutil.copytree(zero / embedding, zero / "lm_head.weight")
 
 
-def to_pipeline_names(udir: Path, signature: dict, tensor_rank: int = 0):
+def to_pipeline_names(udir: Path, signature: dict):
     """zero/<model name> -> zero/<pipeline name>, and the layer files a PipelineModule loads its
-    weights from (`layer_NN-model_MM-model_states.pt`), written a layer at a time from the fp32
-    values."""
+    weights from (`layer_NN-model_00-model_states.pt`: one tensor rank, as pipelines convert
+    without tensor parallelism), written a layer at a time from the fp32 values."""
     layout, num_layers, tied = _layout(signature)
     zero = Path(udir) / "zero"
     by_layer: dict = {}
@@ -139,10 +139,10 @@ def to_pipeline_names(udir: Path, signature: dict, tensor_rank: int = 0):
         if tied and folder.name == "lm_head.weight":
             shutil.rmtree(folder)  # the embedding's, under the tied layer's name
             continue
-        layer, key = layout.pipeline_name(folder.name, num_layers, tied)
+        layer, key = layout.pipeline_name(folder.name, num_layers)
         name = f"{TIED_EMBEDDING}{key}" if tied and layer == 0 else f"{layer}.{key}"
         folder.rename(zero / name)
         by_layer.setdefault(layer, []).append((key, zero / name / "fp32.pt"))
     for layer, entries in sorted(by_layer.items()):
         state = {key: _load(path)["param"] for key, path in entries}
-        torch.save(state, Path(udir) / f"layer_{layer:02d}-model_{tensor_rank:02d}-model_states.pt")
+        torch.save(state, Path(udir) / f"layer_{layer:02d}-model_00-model_states.pt")
