@@ -70,23 +70,26 @@ def fp32_uninterrupted(cache_dir, tmp_path_factory):
     def get(layout: str, preset: str = "tiny"):
         if (layout, preset) not in runs:
             runs[layout, preset] = tmp / f"full_{layout}_{preset}"
+            ranks, sizes = LAYOUTS[layout]
             launch(["--ds_config", config, "--run_dir", runs[layout, preset], *ARGS,
-                    f"model.preset={preset}", *LAYOUTS[layout]], 2, cache_dir)
+                    f"model.preset={preset}", *sizes], ranks, cache_dir)
         return runs[layout, preset]
     get.config = config
     return get
 
 
-LAYOUTS = {"dp2": [], "tp2": ["parallel.tensor_parallel=2"],
-           "pp2": ["parallel.pipeline_parallel=2"]}
+LAYOUTS = {"dp2": (2, []), "tp2": (2, ["parallel.tensor_parallel=2"]),
+           "pp2": (2, ["parallel.pipeline_parallel=2"]),
+           "tp2pp2": (4, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])}
 
 
 def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahead=False):
     """`run` as stopped after step 4 of `full`, resumed on `layout`: the largest relative
     difference from `full`'s losses over steps 5-8."""
+    ranks, sizes = LAYOUTS[layout]
     proc = launch(["--ds_config", config, "--run_dir", run, "--resume",
-                   "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1",
-                   *LAYOUTS[layout]], 2, cache_dir)
+                   "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", *sizes], ranks,
+                  cache_dir)
     assert ("resharding" in proc.stdout) is not converted_ahead
     assert "at step 4 (32 samples consumed)" in proc.stdout
     expected = {"dp2": "DP 2 x TP 1 x PP 1", "tp2": "DP 1 x TP 2 x PP 1",
@@ -98,14 +101,14 @@ def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahe
 
 
 @pytest.mark.parametrize("source, target", [("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2"),
-                                            ("dp2", "pp2")])
+                                            ("dp2", "pp2"), ("tp2pp2", "dp2"), ("tp2", "pp2")])
 def test_layout_changes_continue_the_uninterrupted_run(source, target, fp32_uninterrupted,
                                                        cache_dir, tmp_path):
-    """TP 2 or PP 2 <-> DP 2 at ZeRO-1 in fp32, each against the target layout's uninterrupted
-    run: through DeepSpeed's universal form (a tensor-parallel checkpoint's slices joined by the
-    AutoTP record it keeps; a pipeline's parameters renamed from layer indices to the model's
-    names and back); steps 5-8 continue within 1e-5 relative (the global batch the same, the
-    reduction order not)."""
+    """TP 2 or PP 2 <-> DP 2, TP 2 x PP 2 (4 ranks) -> DP 2 and TP 2 -> PP 2 at ZeRO-1 in fp32,
+    each against the target layout's uninterrupted run: through DeepSpeed's universal form (a
+    tensor-parallel checkpoint's slices joined by the AutoTP record it keeps; a pipeline's
+    parameters renamed from layer indices to the model's names and back); steps 5-8 continue
+    within 1e-5 relative (the global batch the same, the reduction order not)."""
     run = tmp_path / "run"
     stopped_at(fp32_uninterrupted(source), run, 4)
     apart = resume_on_another_layout(fp32_uninterrupted(target), target, run, cache_dir,

@@ -16,11 +16,14 @@ its per-layer checkpoint files back to the model's names (export/checkpoint_sour
 """
 import torch
 import torch.nn.functional as F
+from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS,
+                                            UNIVERSAL_CHECKPOINT_INFO)
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import ops
+from dr_scale.runtime import comm
 from dr_scale.models.build import spec_of
 from dr_scale.parallel.sharded_build import materialize
 from dr_scale.parallel.tensor import shard_pipeline_layer
@@ -120,17 +123,36 @@ def to_pipeline(model: nn.Module, shape, topo, checkpoint_every=0, document_mask
                                   partition_method="parameters",
                                   activation_checkpoint_interval=checkpoint_every)
     pipe.shape = shape  # the trainer and checkpoints read the model's shape from the module
-    if shape.tie_embeddings:
-        # The tied layer lives on the first and the last stage, and only its `weight` has its
-        # gradients summed between them: a learned-positions table in it (GPT-2's) trains on the
-        # first stage alone, the last one's copy drifts. DeepSpeed's universal conversion takes
-        # the first stage's copy of what this record names, not the last's.
-        from deepspeed.checkpoint.constants import (PIPELINE_REPLICATED_PARAMETER_PATTERNS,
-                                                    UNIVERSAL_CHECKPOINT_INFO)
-
-        setattr(pipe, UNIVERSAL_CHECKPOINT_INFO,
-                {PIPELINE_REPLICATED_PARAMETER_PATTERNS: [r"^tied_modules\."]})
+    setattr(pipe, UNIVERSAL_CHECKPOINT_INFO, _conversion_record(pipe, shape, topo))
     return pipe
+
+
+def _conversion_record(pipe: PipelineModule, shape, topo) -> dict:
+    """What DeepSpeed's universal conversion needs to know of the pipeline's parameters, for
+    every stage (each checkpoint file carries one record, each stage knows its own layers):
+    - under tensor parallelism, AutoTP's record of which slices are row-parallel, replicated or
+      cut by vocabulary (DeepSpeed's engine makes it only for a module it partitions itself);
+    - with tied embeddings, that the first stage's copy of the tied layer is the one to take:
+      the tied layer lives on the first and the last stage, and only its `weight` has its
+      gradients summed between them, so a learned-positions table in it (GPT-2's) trains on the
+      first stage alone and the last one's copy drifts."""
+    record = {}
+    if topo.sliced:
+        from deepspeed.module_inject.layers import collect_autotp_universal_checkpoint_info
+
+        for stage_record in comm.all_gather_object(collect_autotp_universal_checkpoint_info(pipe)):
+            for key, value in stage_record.items():
+                if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                    record[key] = sorted(set(record.get(key, [])) | set(value))
+                elif isinstance(value, list):  # records of a stage's parameters
+                    record[key] = record.get(key, []) + value
+                elif isinstance(value, dict):
+                    record[key] = {**record.get(key, {}), **value}
+                else:
+                    record.setdefault(key, value)
+    if shape.tie_embeddings:
+        record[PIPELINE_REPLICATED_PARAMETER_PATTERNS] = [r"^tied_modules\."]
+    return record
 
 
 def _preparer(shape, topo, weights, dtype):

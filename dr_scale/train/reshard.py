@@ -86,8 +86,9 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
     parameters are row-parallel, replicated or sliced by vocabulary in the checkpoint,
     ds_to_universal joins the slices by it, and the load cuts them again for the new tensor rank.
     Pipelines: their parameters are named by layer index, renamed to the model's and back
-    (universal.py). Each tested exact in tests/test_reshard.py at ZeRO-1. Not through it (yet):
-    tensor and pipeline parallelism changed together, ZeRO-3 with tensor parallelism (its slices
+    (universal.py); under tensor parallelism each stage's AutoTP record goes into every file
+    (parallel/pipeline.py). Tested exact in tests/test_reshard.py at ZeRO-1. Not through it
+    (yet): onto tensor and pipeline parallelism together, and ZeRO-3 with either (its TP slices
     are partitioned by our own build, a load the universal form has not been shown to serve)."""
     was = f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on {written} rank(s)"
     now = f"{target[0]} x {target[1]} on {world_size} at ZeRO-{target_stage}"
@@ -97,11 +98,11 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
-    if max(saved[1], target[1]) > 1 and max(saved[0], target[0]) > 1:
+    if target[0] > 1 and target[1] > 1:
         raise DrScaleError(
-            f"{tag_dir}: written with {was}, resumed with {now}: pipeline and tensor "
-            f"parallelism together convert on their own layout only (each alone converts); "
-            f"{way_out}")
+            f"{tag_dir}: written with {was}, resumed with {now}: a layout of tensor and pipeline "
+            f"parallelism together is resumed from its own checkpoints only (from one of them, "
+            f"any layout with one of the two converts); {way_out}")
     if max(saved[1], target[1]) > 1 and 3 in (family, target_stage):
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a pipeline converts between "
