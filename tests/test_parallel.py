@@ -154,7 +154,7 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert ds_norm == pytest.approx(reference[3], rel=1e-5)
     assert_same_weights(weights, reference[4])
     # its checkpoint loads directly on its own layout and converts to another (the losses after:
-    # test_reshard.py), except to ZeRO-3 or onto TP and PP together: one line each
+    # test_reshard.py), except to ZeRO-3: one line
     from dr_scale.train.reshard import reshard_plan
 
     ckpt, tag = out / "checkpoints", f"step_{STEPS:08d}"
@@ -162,9 +162,7 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert reshard_plan(ckpt, tag, 2, 1, tensor=1, pipeline=1) == "universal"
     with pytest.raises(DrScaleError, match="a pipeline converts between ZeRO-1/2 layouts only"):
         reshard_plan(ckpt, tag, 2, 3, tensor=1, pipeline=1)
-    with pytest.raises(DrScaleError, match="a layout of tensor and pipeline parallelism together "
-                                           "is resumed from its own checkpoints only"):
-        reshard_plan(ckpt, tag, 8, 1, tensor=2, pipeline=2)
+    assert reshard_plan(ckpt, tag, 8, 1, tensor=2, pipeline=2) == "universal"
 
 
 def test_gpt2_pipeline_2_stages_equals_one_rank(tmp_path, cache_dir):

@@ -93,7 +93,7 @@ def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahe
     assert ("resharding" in proc.stdout) is not converted_ahead
     assert "at step 4 (32 samples consumed)" in proc.stdout
     expected = {"dp2": "DP 2 x TP 1 x PP 1", "tp2": "DP 1 x TP 2 x PP 1",
-                "pp2": "DP 1 x TP 1 x PP 2"}[layout]
+                "pp2": "DP 1 x TP 1 x PP 2", "tp2pp2": "DP 1 x TP 2 x PP 2"}[layout]
     assert expected in proc.stdout
     a, b = losses(full), losses(run)
     assert sorted(b) == list(range(1, 9))
@@ -101,10 +101,10 @@ def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahe
 
 
 @pytest.mark.parametrize("source, target", [("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2"),
-                                            ("dp2", "pp2"), ("tp2pp2", "dp2"), ("tp2", "pp2")])
+                                            ("dp2", "pp2"), ("tp2pp2", "dp2"), ("tp2", "pp2"), ("dp2", "tp2pp2")])
 def test_layout_changes_continue_the_uninterrupted_run(source, target, fp32_uninterrupted,
                                                        cache_dir, tmp_path):
-    """TP 2 or PP 2 <-> DP 2, TP 2 x PP 2 (4 ranks) -> DP 2 and TP 2 -> PP 2 at ZeRO-1 in fp32,
+    """TP 2 or PP 2 <-> DP 2, TP 2 x PP 2 (4 ranks) <-> DP 2 and TP 2 -> PP 2 at ZeRO-1 in fp32,
     each against the target layout's uninterrupted run: through DeepSpeed's universal form (a
     tensor-parallel checkpoint's slices joined by the AutoTP record it keeps; a pipeline's
     parameters renamed from layer indices to the model's names and back); steps 5-8 continue

@@ -87,9 +87,10 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
     ds_to_universal joins the slices by it, and the load cuts them again for the new tensor rank.
     Pipelines: their parameters are named by layer index, renamed to the model's and back
     (universal.py); under tensor parallelism each stage's AutoTP record goes into every file
-    (parallel/pipeline.py). Tested exact in tests/test_reshard.py at ZeRO-1. Not through it
-    (yet): onto tensor and pipeline parallelism together, and ZeRO-3 with either (its TP slices
-    are partitioned by our own build, a load the universal form has not been shown to serve)."""
+    (parallel/pipeline.py). Tested exact in tests/test_reshard.py at ZeRO-1, TP x PP both ways.
+    Not through it (yet): ZeRO-3 with either (its TP slices are partitioned by our own build, a
+    load the universal form has not been shown to serve; ZeRO-3 names its state by the model's
+    parameters, not a pipeline's)."""
     was = f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on {written} rank(s)"
     now = f"{target[0]} x {target[1]} on {world_size} at ZeRO-{target_stage}"
     way_out = ("resume it on its own layout, or `dr-scale export` the weights and start a run "
@@ -98,11 +99,6 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
-    if target[0] > 1 and target[1] > 1:
-        raise DrScaleError(
-            f"{tag_dir}: written with {was}, resumed with {now}: a layout of tensor and pipeline "
-            f"parallelism together is resumed from its own checkpoints only (from one of them, "
-            f"any layout with one of the two converts); {way_out}")
     if max(saved[1], target[1]) > 1 and 3 in (family, target_stage):
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a pipeline converts between "
