@@ -54,6 +54,7 @@ def cmd_export(a):
     from dr_scale.export.consolidate import checkpoint_source, ema_source, run_shape
     from dr_scale.export.hf import write_folder
     from dr_scale.export.safetensors_folder import parse_size
+    from dr_scale.train import manifest
     from dr_scale.train.checkpoint import find_tag
     from tqdm import tqdm  # percent, rate and ETA on stderr
 
@@ -65,6 +66,10 @@ def cmd_export(a):
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise DrScaleError(f"{out}: exists and is not empty; choose a new --out")
+    fault = manifest.verify(ckpt_dir / tag)  # sizes, then checksums (or the kept verdict)
+    if fault:
+        raise DrScaleError(f"{ckpt_dir / tag}: not intact ({fault}); export another with "
+                           "--step N (`dr-scale verify` lists them)")
     tok_file = tokenizer_file_in(run_dir)
     if tok_file is None:
         raise DrScaleError(f"{run_dir}: no tokenizer.model or tokenizer.json (not a run folder?)")

@@ -159,6 +159,10 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(reference, cach
     assert check.returncode == 2, check.stderr[-2000:]
     assert f"{ckpt / 'step_00000009'}: intact" in check.stdout
     assert f"{ckpt / 'step_00000012'}: NOT INTACT: {victim.name}: CRC-32" in check.stdout
+    export = subprocess.run([sys.executable, "-m", "dr_scale.cli", "export", "--run_dir", str(run),
+                             "--out", str(tmp_path / "hf")], capture_output=True, text=True)
+    assert export.returncode == 2 and not (tmp_path / "hf").exists()
+    assert f"{ckpt / 'step_00000012'}: not intact ({victim.name}: CRC-32" in export.stderr
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume"], 2, cache_dir)
     warnings = [line for line in proc.stderr.splitlines() if "not intact" in line]
     assert len(warnings) == 1 and re.fullmatch(

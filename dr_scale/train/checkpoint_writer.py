@@ -220,9 +220,9 @@ class CheckpointWriter:
             raise DrScaleError(f"checkpoint {tag}: " + (failed or "another rank could not write "
                                "its files") + f"; {self.ckpt_dir / LATEST} still names the "
                                "previous checkpoint")
-        every_ranks = comm.all_gather_object(described, group=group)
+        per_rank = comm.all_gather_object(described, group=group)
         if self.rank == 0:
-            manifest.write(staging / tag, {k: v for d in every_ranks for k, v in d.items()},
+            manifest.write(staging / tag, {k: v for d in per_rank for k, v in d.items()},
                            *position, self.layout)  # the last file of the checkpoint
             for d in sorted({f.parent for f in files} | {staging / tag}):
                 fsync_dir(d)  # the new names in the folder, where this rank made them
