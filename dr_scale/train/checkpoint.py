@@ -162,6 +162,11 @@ def saved_position(tag_dir: Path) -> tuple:
     return int(state["step"]), int(state["consumed_samples"])
 
 
+def saved_model(tag_dir: Path) -> dict:
+    """The weights' shape fields the checkpoint was written for (empty in older checkpoints)."""
+    return _rank0_state(tag_dir).get("model") or {}
+
+
 def _rank0_state(tag_dir: Path) -> dict:
     # mmap: only the small entries asked for are read, not the RNG and callback (EMA) tensors
     return torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dr_scale.errors import DrScaleError
+from dr_scale.train.checkpoint import write_atomic
 
 MANIFEST = "manifest.json"
 VERDICT = "verified.json"
@@ -51,12 +52,7 @@ def write(tag_dir: Path, files: Dict[str, dict], step: int, consumed_samples: in
     body = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
             "layout": layout, "files": dict(sorted(files.items()))}
     path = Path(tag_dir) / MANIFEST
-    tmp = path.with_name(MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(body, indent=1))
     return path
 
 
@@ -103,45 +99,36 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def _sizes_checked(tag_dir: Path) -> tuple:
+    """(manifest or None, fault or None) from the manifest and a stat per file."""
+    try:
+        body = read(tag_dir)
+    except _Damaged as e:
+        return None, str(e)
+    return body, body and sizes_fault(tag_dir, body)
+
+
 def verify(tag_dir: Path, workers: Optional[int] = None, reuse_verdict: bool = True
            ) -> Optional[str]:
     """None when `tag_dir` is intact (or predates manifests), else why not: sizes, then
     checksums (the kept verdict, when there is one and `reuse_verdict`)."""
     tag_dir = Path(tag_dir)
-    try:
-        body = read(tag_dir)
-    except _Damaged as e:
-        return str(e)
-    if body is None:
-        return None
-    fault = sizes_fault(tag_dir, body)
-    if fault:
+    body, fault = _sizes_checked(tag_dir)
+    if body is None or fault:
         return fault
     verdict = tag_dir / VERDICT
     if reuse_verdict and verdict.is_file():
         return json.loads(verdict.read_text()).get("fault")
     fault = checksum_fault(tag_dir, body, workers or default_workers())
-    _write_verdict(verdict, fault)
+    write_atomic(verdict, json.dumps({"fault": fault, "checked_at": time.time()}))
     return fault
-
-
-def _write_verdict(path: Path, fault: Optional[str]):
-    tmp = path.with_name(VERDICT + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"fault": fault, "checked_at": time.time()}))
-    os.replace(tmp, path)
 
 
 def wait_for_verdict(tag_dir: Path, stall_s: int) -> Optional[str]:
     """On the ranks other than 0: the sizes compared here, then rank 0's checksum verdict."""
     tag_dir = Path(tag_dir)
-    try:
-        body = read(tag_dir)
-    except _Damaged as e:
-        return str(e)
-    if body is None:
-        return None
-    fault = sizes_fault(tag_dir, body)
-    if fault:
+    body, fault = _sizes_checked(tag_dir)
+    if body is None or fault:
         return fault
     verdict, start, poll = tag_dir / VERDICT, time.monotonic(), 0.05
     while not verdict.is_file():

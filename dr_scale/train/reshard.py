@@ -24,8 +24,9 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_parallel_layout,
-                                       saved_sub_group_size, saved_zero_family, universal_dir)
+from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_model,
+                                       saved_parallel_layout, saved_sub_group_size,
+                                       saved_zero_family, universal_dir)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
 
@@ -109,32 +110,28 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
             f"{tag_dir}: written with {was}, resumed with {now}: with tensor parallelism at "
             f"ZeRO-3 a checkpoint resumes on the same layout and ranks only (ZeRO-1/2 convert "
             f"between tensor-parallel sizes); {way_out}")
-    if saved[1] > 1 and not _record_kept(tag_dir, PIPELINE_REPLICATED_PARAMETER_PATTERNS) \
-            and _rank0_model(tag_dir).get("tie_embeddings", True):
+    record = _conversion_record(tag_dir) if max(saved) > 1 else {}
+    if saved[1] > 1 and PIPELINE_REPLICATED_PARAMETER_PATTERNS not in record \
+            and saved_model(tag_dir).get("tie_embeddings", True):
         raise DrScaleError(
             f"{tag_dir}: a pipeline with tied embeddings, written by a dr_scale that did not "
             f"record which stage's copy of the tied layer is the trained one (the conversion "
             f"could take the other's); {way_out}")
-    if saved[0] > 1 and not _record_kept(tag_dir, PARAMETER_WITH_ROW_PARALLELISM_PATTERNS):
+    if saved[0] > 1 and PARAMETER_WITH_ROW_PARALLELISM_PATTERNS not in record:
         raise DrScaleError(
             f"{tag_dir}: written with tensor_parallel={saved[0]} by a dr_scale that did not keep "
             f"AutoTP's record of its row-parallel parameters, without which the conversion joins "
             f"their slices on the wrong dimension; {way_out}")
 
 
-def _record_kept(tag_dir: Path, key: str) -> bool:
-    """Whether the checkpoint's universal-checkpoint record (DeepSpeed's) holds `key`."""
+def _conversion_record(tag_dir: Path) -> dict:
+    """The checkpoint's universal-checkpoint record (DeepSpeed's key; empty where none)."""
     files = sorted(Path(tag_dir).glob("*mp_rank_00_model_states.pt"))
     if not files:
-        return False
+        return {}
     # DeepSpeed's own file (DeepSpeed loads it with weights_only=False too); mmap: no weights read
     state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    return key in (state.get(UNIVERSAL_CHECKPOINT_INFO) or {})
-
-
-def _rank0_model(tag_dir: Path) -> dict:
-    return torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",
-                      weights_only=True, mmap=True).get("model") or {}
+    return state.get(UNIVERSAL_CHECKPOINT_INFO) or {}
 
 
 def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
@@ -210,7 +207,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
                 dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
                 if not dst.exists():
                     shutil.copyfile(src, dst)
-        signature = _rank0_model(ckpt_dir / tag)
+        signature = saved_model(ckpt_dir / tag)
         if saved_parallel_layout(ckpt_dir / tag)[1] > 1:  # a pipeline's names -> the model's
             universal.from_pipeline_names(tmp, signature)
         if pipelined:
