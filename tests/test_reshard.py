@@ -61,58 +61,64 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
 
 @pytest.fixture(scope="module")
 def fp32_uninterrupted(cache_dir, tmp_path_factory):
-    """8-step fp32 ZeRO-1 runs on 2 ranks by layout, shared by the layout-change cases."""
+    """8-step fp32 runs by layout (ranks, sizes, ZeRO stage), shared by the layout-change
+    cases."""
     from tests.test_train_distributed import fp32_config
 
     tmp = tmp_path_factory.mktemp("fp32")
-    config, runs = fp32_config(tmp, 1), {}
+    configs, runs = {stage: fp32_config(tmp, stage) for stage in (1, 3)}, {}
 
     def get(layout: str, preset: str = "tiny"):
         if (layout, preset) not in runs:
             runs[layout, preset] = tmp / f"full_{layout}_{preset}"
-            ranks, sizes = LAYOUTS[layout]
-            launch(["--ds_config", config, "--run_dir", runs[layout, preset], *ARGS,
+            ranks, sizes, stage = LAYOUTS[layout]
+            launch(["--ds_config", configs[stage], "--run_dir", runs[layout, preset], *ARGS,
                     f"model.preset={preset}", *sizes], ranks, cache_dir)
         return runs[layout, preset]
-    get.config = config
+    get.configs = configs
     return get
 
 
-LAYOUTS = {"dp2": (2, []), "tp2": (2, ["parallel.tensor_parallel=2"]),
-           "pp2": (2, ["parallel.pipeline_parallel=2"]),
-           "tp2pp2": (4, ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"])}
+TP2, PP2 = "parallel.tensor_parallel=2", "parallel.pipeline_parallel=2"
+LAYOUTS = {"dp2": (2, [], 1), "tp2": (2, [TP2], 1), "pp2": (2, [PP2], 1),
+           "tp2pp2": (4, [TP2, PP2], 1), "dp4": (4, [], 1), "dp2tp2_zero3": (4, [TP2], 3)}
 
 
-def resume_on_another_layout(full, layout, run, cache_dir, config, converted_ahead=False):
+def resume_on_another_layout(full, layout, run, cache_dir, configs, converted_ahead=False):
     """`run` as stopped after step 4 of `full`, resumed on `layout`: the largest relative
     difference from `full`'s losses over steps 5-8."""
-    ranks, sizes = LAYOUTS[layout]
-    proc = launch(["--ds_config", config, "--run_dir", run, "--resume",
+    ranks, sizes, stage = LAYOUTS[layout]
+    proc = launch(["--ds_config", configs[stage], "--run_dir", run, "--resume",
                    "parallel.tensor_parallel=1", "parallel.pipeline_parallel=1", *sizes], ranks,
                   cache_dir)
     assert ("resharding" in proc.stdout) is not converted_ahead
     assert "at step 4 (32 samples consumed)" in proc.stdout
     expected = {"dp2": "DP 2 x TP 1 x PP 1", "tp2": "DP 1 x TP 2 x PP 1",
-                "pp2": "DP 1 x TP 1 x PP 2", "tp2pp2": "DP 1 x TP 2 x PP 2"}[layout]
-    assert expected in proc.stdout
+                "pp2": "DP 1 x TP 1 x PP 2", "tp2pp2": "DP 1 x TP 2 x PP 2",
+                "dp4": "DP 4 x TP 1 x PP 1", "dp2tp2_zero3": "DP 2 x TP 2 x PP 1"}[layout]
+    assert expected in proc.stdout and f"ZeRO-{stage}, fp32" in proc.stdout
     a, b = losses(full), losses(run)
     assert sorted(b) == list(range(1, 9))
     return max(abs(b[s] - a[s]) / a[s] for s in range(5, 9))
 
 
-@pytest.mark.parametrize("source, target", [("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2"),
-                                            ("dp2", "pp2"), ("tp2pp2", "dp2"), ("tp2", "pp2"), ("dp2", "tp2pp2")])
+@pytest.mark.parametrize("source, target", [
+    ("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2"), ("dp2", "pp2"), ("tp2pp2", "dp2"),
+    ("tp2", "pp2"), ("dp2", "tp2pp2"),
+    ("dp2tp2_zero3", "dp4"), ("dp4", "dp2tp2_zero3"), ("tp2pp2", "dp2tp2_zero3")])
 def test_layout_changes_continue_the_uninterrupted_run(source, target, fp32_uninterrupted,
                                                        cache_dir, tmp_path):
-    """TP 2 or PP 2 <-> DP 2, TP 2 x PP 2 (4 ranks) <-> DP 2 and TP 2 -> PP 2 at ZeRO-1 in fp32,
-    each against the target layout's uninterrupted run: through DeepSpeed's universal form (a
-    tensor-parallel checkpoint's slices joined by the AutoTP record it keeps; a pipeline's
-    parameters renamed from layer indices to the model's names and back); steps 5-8 continue
-    within 1e-5 relative (the global batch the same, the reduction order not)."""
+    """TP 2 or PP 2 <-> DP 2, TP 2 x PP 2 (4 ranks) <-> DP 2 and TP 2 -> PP 2 at ZeRO-1; DP 2 x
+    TP 2 at ZeRO-3 <-> DP 4 at ZeRO-1, and TP 2 x PP 2 at ZeRO-1 -> DP 2 x TP 2 at ZeRO-3; in
+    fp32, each against the target layout's uninterrupted run: through DeepSpeed's universal form
+    (a tensor-parallel checkpoint's slices joined by the AutoTP record it keeps, and cut again by
+    the target's; a pipeline's parameters renamed from layer indices to the model's names and
+    back); steps 5-8 continue within 1e-5 relative (the global batch the same, the reduction
+    order not)."""
     run = tmp_path / "run"
     stopped_at(fp32_uninterrupted(source), run, 4)
     apart = resume_on_another_layout(fp32_uninterrupted(target), target, run, cache_dir,
-                                     fp32_uninterrupted.config)
+                                     fp32_uninterrupted.configs)
     print(f"{source} -> {target}: steps 5-8 at most {apart:.1e} relative from the "
           "uninterrupted run's")
     assert apart <= 1e-5
@@ -126,7 +132,7 @@ def test_each_family_changes_layout(preset, source, fp32_uninterrupted, cache_di
     run = tmp_path / "run"
     full = fp32_uninterrupted(source, preset)
     stopped_at(full, run, 4)
-    apart = resume_on_another_layout(full, "dp2", run, cache_dir, fp32_uninterrupted.config)
+    apart = resume_on_another_layout(full, "dp2", run, cache_dir, fp32_uninterrupted.configs)
     print(f"{preset} {source} -> dp2: steps 5-8 at most {apart:.1e} relative")
     assert apart <= 1e-5
 
@@ -150,7 +156,7 @@ def test_a_layout_change_without_the_optimizer_state_misses(fp32_uninterrupted, 
         state["param"].zero_()
         torch.save(state, f)
     apart = resume_on_another_layout(fp32_uninterrupted("dp2"), "dp2", run, cache_dir,
-                                     fp32_uninterrupted.config, converted_ahead=True)
+                                     fp32_uninterrupted.configs, converted_ahead=True)
     print(f"tp2 -> dp2 with Adam's moments zeroed: steps 5-8 at most {apart:.1e} relative")
     assert apart > 1e-3
 

@@ -88,10 +88,11 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
     ds_to_universal joins the slices by it, and the load cuts them again for the new tensor rank.
     Pipelines: their parameters are named by layer index, renamed to the model's and back
     (universal.py); under tensor parallelism each stage's AutoTP record goes into every file
-    (parallel/pipeline.py). Tested exact in tests/test_reshard.py at ZeRO-1, TP x PP both ways.
-    Not through it (yet): ZeRO-3 with either (its TP slices are partitioned by our own build, a
-    load the universal form has not been shown to serve; ZeRO-3 names its state by the model's
-    parameters, not a pipeline's)."""
+    (parallel/pipeline.py). ZeRO-3 joins in both directions: ds_to_universal joins a ZeRO-3
+    checkpoint's tensor-parallel slices by the same record, and ZeRO-3's load cuts each tensor to
+    the rank's slice by the AutoTP metadata our build keeps on its parameters (universal.py says
+    what the two families' forms need). Tested exact in tests/test_reshard.py: TP x PP both
+    ways, DP x TP at ZeRO-3 <-> DP at ZeRO-1, a pipeline to ZeRO-3."""
     was = f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on {written} rank(s)"
     now = f"{target[0]} x {target[1]} on {world_size} at ZeRO-{target_stage}"
     way_out = ("resume it on its own layout, or `dr-scale export` the weights and start a run "
@@ -100,16 +101,6 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
-    if max(saved[1], target[1]) > 1 and 3 in (family, target_stage):
-        raise DrScaleError(
-            f"{tag_dir}: written with {was}, resumed with {now}: a pipeline converts between "
-            f"ZeRO-1/2 layouts only (ZeRO-3 names its state by the model's parameters); "
-            f"{way_out}")
-    if max(saved[0], target[0]) > 1 and (family == 3 or target_stage == 3):
-        raise DrScaleError(
-            f"{tag_dir}: written with {was}, resumed with {now}: with tensor parallelism at "
-            f"ZeRO-3 a checkpoint resumes on the same layout and ranks only (ZeRO-1/2 convert "
-            f"between tensor-parallel sizes); {way_out}")
     record = _conversion_record(tag_dir) if max(saved) > 1 else {}
     if saved[1] > 1 and PIPELINE_REPLICATED_PARAMETER_PATTERNS not in record \
             and saved_model(tag_dir).get("tie_embeddings", True):
@@ -202,11 +193,11 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
         elif source == 1 and target_stage == 3:
             universal.zero12_to_zero3(tmp, world_size)
         elif source == 3:
-            for rank in range(world_size):  # ZeRO-3 opens one model-states file per rank
-                src = tmp / "zero_pp_rank_0_mp_rank_00_model_states.pt"
-                dst = tmp / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
-                if not dst.exists():
-                    shutil.copyfile(src, dst)
+            for tensor_rank in universal.model_states_ranks(
+                    tmp, "zero_pp_rank_0_mp_rank_*_model_states.pt"):
+                universal.zero3_model_states(
+                    tmp, tmp / f"zero_pp_rank_0_mp_rank_{tensor_rank}_model_states.pt",
+                    tensor_rank, world_size)
         signature = saved_model(ckpt_dir / tag)
         if saved_parallel_layout(ckpt_dir / tag)[1] > 1:  # a pipeline's names -> the model's
             universal.from_pipeline_names(tmp, signature)

@@ -1,11 +1,14 @@
 """Between ZeRO families in DeepSpeed's universal checkpoint format.
 
 ds_to_universal writes per-parameter fp32 / exp_avg / exp_avg_sq files in two dialects: from
-ZeRO-3 a flat tensor per file and no step count; from ZeRO-1/2 {"param": shaped tensor,
-"cat_dim": 0} plus step.pt. Each family's loader reads only its own dialect and its own
-model-states file names, so resuming ZeRO-3 at ZeRO-1/2 (or back) means rewriting the dialect,
-adding the step count and global optimizer keys the other loader asks for, and providing the
-model-states files under the names it opens. The values themselves are not touched.
+ZeRO-3 a flat tensor per file and no step count (under tensor parallelism, the slices joined:
+{"param": shaped tensor, "cat_dim": ...}); from ZeRO-1/2 {"param": shaped tensor, "cat_dim": 0}
+plus step.pt. ZeRO-1/2's loader reads only the dict; ZeRO-3's reads either, and cuts a dict's
+tensor to the rank's tensor-parallel slice by the AutoTP metadata on the parameter (a flat
+tensor it would not cut). So resuming ZeRO-3 at ZeRO-1/2 (or back) means rewriting flat tensors
+as dicts, adding the step count and global optimizer keys the other loader asks for, and
+providing the model-states files under the names it opens. The values themselves are not
+touched.
 """
 import shutil
 from pathlib import Path
@@ -38,29 +41,40 @@ def zero3_to_zero12(udir: Path):
     opt = _load(udir / "zero" / "optimizer_state.pt")
     opt.setdefault("ds_version", ms["ds_version"])
     torch.save(opt, udir / "zero" / "optimizer_state.pt")
-    shutil.copyfile(udir / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                    udir / "mp_rank_00_model_states.pt")
+    for tensor_rank in model_states_ranks(udir, "zero_pp_rank_0_mp_rank_*_model_states.pt"):
+        shutil.copyfile(udir / f"zero_pp_rank_0_mp_rank_{tensor_rank}_model_states.pt",
+                        udir / f"mp_rank_{tensor_rank}_model_states.pt")
 
 
 def zero12_to_zero3(udir: Path, world_size: int):
     ms = _load(udir / "mp_rank_00_model_states.pt")
     step = None
     for name in _param_shapes(ms):
-        pdir = udir / "zero" / name
-        for f in pdir.glob("*.pt"):
-            t = _load(f)
-            if f.name == "step.pt":
-                step = t
-                f.unlink()
-            elif isinstance(t, dict) and "param" in t:
-                torch.save(t["param"].reshape(-1), f)
+        path = udir / "zero" / name / "step.pt"
+        if path.is_file():
+            step = _load(path)
+            path.unlink()
     opt = _load(udir / "zero" / "optimizer_state.pt")
     opt.setdefault("optimizer_state_dict", {"state": {0: {"step": step}},
                                             "param_groups": opt.get("param_groups", [])})
     torch.save(opt, udir / "zero" / "optimizer_state.pt")
+    for tensor_rank in model_states_ranks(udir, "mp_rank_*_model_states.pt"):
+        zero3_model_states(udir, udir / f"mp_rank_{tensor_rank}_model_states.pt", tensor_rank,
+                           world_size)
+
+
+def model_states_ranks(udir: Path, pattern: str) -> list:
+    """The tensor ranks ("00", "01", ...) of the model-states files matching `pattern`: the
+    universal load reads the source's, whatever the target's tensor-parallel size."""
+    return sorted(f.name.split("mp_rank_")[1][:2] for f in Path(udir).glob(pattern))
+
+
+def zero3_model_states(udir: Path, source: Path, tensor_rank: str, world_size: int):
+    """ZeRO-3 opens a model-states file under its data-parallel rank's name as well."""
     for rank in range(world_size):
-        shutil.copyfile(udir / "mp_rank_00_model_states.pt",
-                        udir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+        target = udir / f"zero_pp_rank_{rank}_mp_rank_{tensor_rank}_model_states.pt"
+        if target != source:
+            shutil.copyfile(source, target)
 
 
 def repair_zero3_load(zero3, udir: Path):
