@@ -6,7 +6,8 @@ The conversion runs before any process group exists: offline as `dr-scale reshar
 file system (universal_ready) instead of in a collective bounded by train.collective_timeout_s.
 DeepSpeed's ds_to_universal does the work with parallel workers: one extracting each rank's
 optimizer file, others merging each parameter's fragments; their number is bounded by the cores
-and by the host memory one rank's file needs.
+and by host memory. It reads the checkpoint memory-mapped (universal_stream.py), so a worker holds
+the fragment it cuts rather than a rank's whole file.
 """
 import os
 import shutil
@@ -156,14 +157,28 @@ def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int
 
 
 def default_workers(tag_dir: Path) -> int:
-    """As many as there are cores and rank files, while each worker's rank file (loaded whole,
-    and about as much again for the fragments it cuts) fits in half the available memory."""
+    """As many as there are cores and rank files, while each worker's own memory fits in half
+    the available memory: the files are mapped (universal_stream.py), so a worker holds the
+    largest parameter's pieces and the tensor joined from them (2 x 4 bytes an element,
+    measured below that in benchmarks/reshard.py) beside the interpreter and its imports."""
     import psutil
 
     files = list(Path(tag_dir).glob("*optim_states.pt"))
-    largest = max((f.stat().st_size for f in files), default=1)
-    by_memory = int(psutil.virtual_memory().available * 0.5 // (2 * largest))
+    per_worker = 8 * _largest_joined_tensor(Path(tag_dir)) + 512 * 2**20
+    by_memory = int(psutil.virtual_memory().available * 0.5 // per_worker)
     return max(1, min(os.cpu_count() or 1, len(files) or 1, by_memory))
+
+
+def _largest_joined_tensor(tag_dir: Path) -> int:
+    """Elements of the checkpoint's largest parameter, its tensor-parallel slices joined."""
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        return 0
+    # DeepSpeed's own file (it loads it with weights_only=False too); mapped: no weights read
+    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    shapes = [shape for group in state.get("param_shapes") or [] for shape in group.values()]
+    largest = max((torch.Size(shape).numel() for shape in shapes), default=0)
+    return largest * saved_parallel_layout(tag_dir)[0]
 
 
 def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
@@ -214,7 +229,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
 
 
 def _ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool):
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+    cmd = [sys.executable, "-m", "dr_scale.train.universal_stream", "--input_folder",
            str(tag_dir), "--output_folder", str(out), "--num_extract_workers", str(workers),
            "--num_merge_workers", str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,0 +1,38 @@
+"""DeepSpeed's ds_to_universal with its checkpoint reads memory-mapped.
+
+ds_to_universal loads each source rank's optimizer file whole (torch.load) before cutting it
+into per-parameter fragments, so each worker holds one rank's whole partition (fp32 weights and
+both Adam moments, 12 bytes a parameter) and K workers K of them. Memory-mapped, the fragments
+are read from the page cache as they are cut: a worker's own memory is the fragment it writes
+(and, merging, one parameter's pieces); the file's pages are the kernel's to take back. The
+output is byte for byte the same (benchmarks/reshard.py checks it).
+
+    python -m dr_scale.train.universal_stream <ds_to_universal's arguments>
+
+The workers are forked (ds_to_universal's ProcessPoolExecutor, Linux's default start method on
+the Pythons we support) and so inherit the mapped load.
+"""
+import functools
+import os
+import runpy
+import sys
+
+import torch
+
+_whole_load = torch.load
+
+
+@functools.wraps(_whole_load)
+def mapped_load(f, *args, **kwargs):
+    if isinstance(f, (str, os.PathLike)) and "mmap" not in kwargs:
+        try:
+            return _whole_load(f, *args, mmap=True, **kwargs)
+        except RuntimeError:  # a file in torch's legacy format cannot be mapped: read it whole
+            pass
+    return _whole_load(f, *args, **kwargs)
+
+
+if __name__ == "__main__":
+    torch.load = mapped_load
+    sys.argv[0] = "ds_to_universal"
+    runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__", alter_sys=True)
