@@ -3,8 +3,10 @@ launcher, two nodes, torchrun), and ranks started as the DeepSpeed launcher star
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -128,19 +130,33 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
     ds = str(fp32_config(tmp_path, stage)) if precision == "fp32" else f"zero{stage}"
     full, split = tmp_path / "full", tmp_path / "split"
     launch(["--ds_config", ds, "--run_dir", full, *RESUME], 2, cache_dir)
-    # wandb (offline) rides along on the split run: one training run stays one wandb run
+    # wandb (offline) rides along on the split run: one training run stays one wandb run.
+    # The split run logs steps 1-8 and is lost before step 8's checkpoint: resumed at step 6.
     wandb = ["logging.wandb=true", "logging.wandb_mode=offline"]
-    launch(["--ds_config", ds, "--run_dir", split, *RESUME, *wandb, "--stop_at_step", 6], 2,
+    launch(["--ds_config", ds, "--run_dir", split, *RESUME, *wandb, "--stop_at_step", 8], 2,
            cache_dir)
-    assert [r["step"] for r in records(split) if "loss" in r] == list(range(1, 7))
+    assert [r["step"] for r in records(split) if "loss" in r] == list(range(1, 9))
+    for later in (split / "checkpoints").glob("step_*"):
+        if later.name > "step_00000006":
+            shutil.rmtree(later)
+    (split / "checkpoints" / "latest").write_text("step_00000006\n")
     proc = launch(["--ds_config", ds, "--run_dir", split, "--resume"], 2, cache_dir)
     assert "resumed from" in proc.stdout and "at step 6 (48 samples consumed)" in proc.stdout
-    run_id = (split / "wandb_run_id").read_text().strip()
-    offline = sorted(p.name for p in (split / "wandb").glob("offline-run-*"))
-    assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline)
     a = {r["step"]: r for r in records(full) if "loss" in r}
     b = {r["step"]: r for r in records(split) if "loss" in r}
     assert sorted(a) == sorted(b) == list(range(1, 13))
+    # What the wandb client sent: the resumed segment rewinds the run to step 6 (by id alone
+    # the server would drop steps 7 and 8, already logged), then steps 7-12 with the run's
+    # losses.
+    run_id = (split / "wandb_run_id").read_text().strip()
+    offline = sorted((split / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(p.name.endswith(f"-{run_id}") for p in offline)
+    (first_branch, first), (branch, resumed) = (wandb_sent(p) for p in offline)
+    assert first_branch is None and sorted(first) == list(range(1, 9))
+    assert branch == {"run_id": run_id, "step": 6}
+    assert sorted(resumed) == list(range(7, 13))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(b[step]["loss"], rel=1e-6), step
     for step in range(1, 13):
         if precision == "fp32":
             assert b[step]["loss"] == a[step]["loss"], step       # bitwise
@@ -153,6 +169,36 @@ def test_resume_reproduces_the_uninterrupted_run(precision, stage, cache_dir, tm
     assert len(ea) == len(eb) == 3
     if precision == "fp32":
         assert ea == eb
+
+
+def wandb_sent(offline_run: Path):
+    """(the branch point, {step: loss}) that a wandb offline run's client recorded to send: its
+    .wandb file, a log of records in 32 KiB blocks (each record: 4 bytes checksum, 2 bytes
+    length, 1 byte kind: whole, first, middle, last), after a 7-byte header."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(offline_run.glob("run-*.wandb")).read_bytes()
+    pos, block, pieces, branch, losses = 7, 32768, b"", None, {}
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the block's tail is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pieces = (b"" if kind in (1, 2) else pieces) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind not in (1, 4):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(pieces)
+        if record.WhichOneof("record_type") == "run":
+            config = {u.key: json.loads(u.value_json) for u in record.run.config.update}
+            branch = config.get("_wandb", {}).get("branch_point")
+        elif record.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                     for i in record.history.item}
+            if "loss" in items:
+                losses[record.history.step.num] = items["loss"]
+    return branch, losses
 
 
 def test_launchers_and_two_nodes_give_the_same_losses(cache_dir, tmp_path):

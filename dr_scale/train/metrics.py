@@ -93,18 +93,32 @@ class MetricsLogger:
             try:
                 import wandb
 
-                # One training run is one wandb run: its id is kept in the run folder and
-                # given again on resume (an online resume must find it: "must").
-                id_file = run_dir / WANDB_ID_FILE
-                run_id = id_file.read_text().strip() if id_file.is_file() else \
-                    secrets.token_hex(4)  # wandb accepts any short [a-z0-9] id
-                id_file.write_text(run_id + "\n")
-                online_resume = resume_step is not None and cfg.wandb_mode == "online"
-                self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_name,
-                                        dir=str(run_dir), mode=cfg.wandb_mode, id=run_id,
-                                        resume="must" if online_resume else "allow")
+                self.wandb = self._wandb_run(wandb, cfg, run_dir, resume_step)
             except Exception as e:  # noqa: BLE001 - any wandb failure must not kill the run
                 self.note(f"wandb logging off ({type(e).__name__}: {e})")
+
+    def _wandb_run(self, wandb, cfg, run_dir: Path, resume_step):
+        """One training run is one wandb run: its id is kept in the run folder. A resume
+        continues it from the checkpoint's step (wandb's `resume_from="<id>?_step=<step>"`): the
+        history after that step, logged by the interrupted run, is cut, and the steps logged
+        again are kept (resumed by id alone, wandb drops every step at or below the last one it
+        has). Where the server refuses to rewind (a preview feature of wandb's), the run resumes
+        by id, and the note says which steps wandb will drop."""
+        id_file = run_dir / WANDB_ID_FILE
+        known = id_file.is_file()
+        run_id = id_file.read_text().strip() if known else secrets.token_hex(4)
+        id_file.write_text(run_id + "\n")
+        common = dict(project=cfg.wandb_project, name=self.run_name, dir=str(run_dir),
+                      mode=cfg.wandb_mode)
+        if resume_step is None or not known:
+            return wandb.init(id=run_id, resume="allow", **common)
+        try:
+            return wandb.init(resume_from=f"{run_id}?_step={resume_step}", **common)
+        except Exception as e:  # noqa: BLE001
+            self.note(f"wandb could not rewind run {run_id} to step {resume_step} "
+                      f"({type(e).__name__}: {e}); resumed by id: steps the interrupted run "
+                      f"logged after {resume_step} keep their first values")
+            return wandb.init(id=run_id, resume="allow", **common)
 
     def note(self, text: str):
         if self.enabled:
