@@ -7,9 +7,10 @@ it, and the memory of a rank that maps it and reads samples.
 A synthetic dataset of --documents documents (lengths uniform in 1..2*seq, so about
 documents x seq tokens: 1T at the defaults) is written as a real .idx and a sparse .bin (its
 tokens are zeros the file system never stores). Then, each in a fresh process:
-  build   what local rank 0 does at start: validate the index, split, order, cumulative counts,
-          the blend and every epoch's permutation for one pass over the data, into the cache
-  rank    what every other rank does: map the cache and read 2,000 random samples
+  build   what the first process to start does: validate the index, split, order, cumulative
+          counts, the blend and every epoch's permutation for one pass over the data, into the
+          cache (under its file lock)
+  rank    what every other rank does: find the cache built and read 2,000 random samples
 Both report wall time and peak RSS (VmHWM, start-up included) and the RSS the data pipeline
 added over the bare interpreter with numpy and torch imported. Writes results.jsonl/.md.
 """
@@ -44,7 +45,7 @@ cfg = load_config(overrides=[f"data.tokenizer={tokenizer}", f"data.datasets=[{{p
                              f"data.cache_dir={cache}"])
 t0 = time.perf_counter()
 tok, specs = resolve_files(cfg.data)
-src = build_sources(cfg.data, 1234, int(samples), 64, tok, specs, build_index=stage == "build")
+src = build_sources(cfg.data, 1234, int(samples), 64, tok, specs)  # "rank": found built
 built = time.perf_counter() - t0
 read = 0.0
 if stage == "rank":

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dr_scale.data.dataset import PackedSequenceDataset, SampleStream, blend_schedule, split_documents
+from dr_scale.data.index_cache import content_identity
 from dr_scale.data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
 from dr_scale.data.loader import StepBatchSampler
 from dr_scale.data.preprocess import preprocess
@@ -251,37 +252,69 @@ def test_dataset_type_picks_the_registered_builder(tmp_path, tokenizer):
         DATASET_REGISTRY._items.pop("reversed_for_test")  # the test's own type only
 
 
-def test_index_cache_is_built_once_and_read_by_the_other_ranks(tmp_path, tokenizer):
-    """The builder (local rank 0) writes the sample index beside the data, keyed by what it
-    depends on; a reader maps it and gets the samples an in-memory build gives; building again
-    rewrites nothing; another seq_length gets its own entry; a reader without one is one line."""
-    from dr_scale.config import load_config
-    from dr_scale.data.loader import build_sources, resolve_files
+BUILD_SOURCES = """
+import os, sys, time
+from dr_scale.config import load_config
+from dr_scale.data.loader import build_sources, resolve_files
+prefix, tokenizer, cache, start = sys.argv[1:5]
+cfg = load_config(None, [f"data.tokenizer={tokenizer}", "data.seq_length=16",
+                         f"data.datasets=[{{prefix: {prefix}}}]", f"data.cache_dir={cache}"])
+while not os.path.exists(start):  # the processes start building at once
+    time.sleep(0.01)
+tok, specs = resolve_files(cfg.data)
+src = build_sources(cfg.data, 7, 40, 4, tok, specs)
+print([int(src.train[p].sum()) for p in range(40)])
+"""
+
+
+def test_index_cache_is_built_once_by_concurrent_ranks_and_found_by_content(tmp_path, tokenizer):
+    """Three processes start building one dataset's sample index at once: each array is built
+    by exactly one of them (the others wait on the folder's file lock, then read it), beside the
+    data and keyed by what it depends on; all three read the samples an in-memory build gives.
+    A copy of the dataset and its .index folder elsewhere (staged to local disk: another path and
+    time) finds the arrays by content and builds nothing; a change in the data does rebuild."""
+    import shutil
+    import subprocess
+    import sys
 
     preprocess([_jsonl(tmp_path, TEXT)], tokenizer, tmp_path / "c", progress=False)
-
-    def sources(build, seq=16):
-        cfg = load_config(None, [f"data.tokenizer={tokenizer.path}", f"data.seq_length={seq}",
-                                 f"data.datasets=[{{prefix: {tmp_path / 'c'}}}]",
-                                 f"data.cache_dir={tmp_path / 'cache'}"])
-        tok, specs = resolve_files(cfg.data)
-        return build_sources(cfg.data, 7, 40, 4, tok, specs, build_index=build)
-
-    with pytest.raises(DrScaleError, match=r"not in the index cache \(local rank 0 builds it"):
-        sources(False)
-    built = sources(True)
-    arrays = sorted((tmp_path / "c.index").rglob("*.npy"))
-    assert len(arrays) >= 8 and len(list((tmp_path / "c.index").iterdir())) == 1
-    stamps = {p: p.stat().st_mtime_ns for p in arrays}
-    read = sources(False)
     data = IndexedDataset(tmp_path / "c")
     train_ids, _ = split_documents(data.num_documents, 0.05, 7, "c")
     in_memory = SampleStream([PackedSequenceDataset(data, train_ids, 16, 7, "c")], [1.0], 7, 40)
-    for p in range(40):
-        want = np.asarray(in_memory[p])
-        np.testing.assert_array_equal(np.asarray(built.train[p]), want)
-        np.testing.assert_array_equal(np.asarray(read.train[p]), want)
-    sources(True)
-    assert {p: p.stat().st_mtime_ns for p in arrays} == stamps  # nothing rebuilt
-    sources(True, seq=32)
-    assert len(list((tmp_path / "c.index").iterdir())) == 2
+    want = str([int(np.asarray(in_memory[p]).sum()) for p in range(40)])
+
+    def build(prefix, processes, expected=want):
+        start = tmp_path / f"start-{prefix.name}-{processes}"
+        procs = [subprocess.Popen([sys.executable, "-c", BUILD_SOURCES, str(prefix),
+                                   str(tokenizer.path), str(tmp_path / "cache"), str(start)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(processes)]
+        start.write_text("")
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        assert expected is None or all(out.strip().splitlines()[-1] == expected
+                                       for out, _ in outs)
+        return [line for _, err in outs for line in err.splitlines() if " entries built in " in line]
+
+    built = build(tmp_path / "c", 3)
+    arrays = sorted((tmp_path / "c.index").rglob("*.npy"))
+    assert len(arrays) >= 8 and len(list((tmp_path / "c.index").iterdir())) == 1
+    names = [line.split(": ")[1] for line in built]  # "index <folder>/<array>"
+    assert len(names) == len(set(names))  # each array once, by one of the three processes
+    assert len([n for n in names if "index blend-" not in n]) == len(arrays)
+    stamps = {p: p.stat().st_mtime_ns for p in arrays}
+
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name in ("c.bin", "c.idx", "c.index"):
+        (shutil.copytree if name.endswith("index") else shutil.copy)(tmp_path / name,
+                                                                     staged / name)
+    assert [line for line in build(staged / "c", 2) if "index blend-" not in line] == []
+    assert {p: p.stat().st_mtime_ns for p in arrays} == stamps  # nothing rebuilt either
+
+    changed = bytearray((staged / "c.bin").read_bytes())
+    changed[-1] ^= 1  # a token of the last document: the same size, other content
+    (staged / "c.bin").write_bytes(bytes(changed))
+    assert content_identity(staged / "c.bin") != content_identity(tmp_path / "c.bin")
+    rebuilt = [line for line in build(staged / "c", 1, expected=None) if "index blend-" not in line]
+    assert len(rebuilt) == len(arrays) and len(list((staged / "c.index").iterdir())) == 2

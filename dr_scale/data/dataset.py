@@ -104,7 +104,7 @@ class SampleStream(torch.utils.data.Dataset):
     position), so a run resumes exactly from the number of samples it consumed.
 
     `cache` holds which dataset serves each position, its pick number there, and every epoch's
-    permutation the run reaches (all built at construction: the builder is local rank 0)."""
+    permutation the run reaches (all built at construction, once: data/index_cache.py)."""
 
     def __init__(self, datasets: List[PackedSequenceDataset], weights: Sequence[float],
                  seed: int, length: int, cache: IndexCache = IN_MEMORY):

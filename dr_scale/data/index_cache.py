@@ -3,26 +3,33 @@
 The arrays that turn a dataset into samples (the held-out split, the shuffled document order,
 cumulative token counts, the blend of datasets, each epoch's sample permutation) grow with the
 corpus: at 1T tokens, hundreds of millions of entries each. Built by every rank in its own RAM
-they cost seconds and gigabytes per rank; here one process (local rank 0) builds each once into
+they cost seconds and gigabytes per rank; here one process builds each once into
 a folder keyed by everything it depends on, and every rank reads single entries from the files
 as it needs them (FileArray: a read a lookup, no memory map, nothing kept).
 
     cache = IndexCache(folder)                 # folder None: arrays in memory (small data, tests)
     order = cache.get("train_order", build)    # a FileArray over the .npy once built
 
-Files appear by atomic rename, so concurrent builders (a node's local rank 0 each, on a shared
-file system) never see a half-written array; equal keys build equal arrays.
+Built once per cluster: a missing array is built under the folder's file lock
+(runtime/file_lock.py), so of all the ranks of all the nodes that share the folder, the first
+builds and the others wait in the kernel, outside any collective and its timeout, then read it.
+Files appear by atomic rename, so a reader never sees a half-written array. The key holds the
+data files' content (size and a sampled hash), not their path or time: a dataset copied with its
+`.index` folder (staged to node-local disk, say) finds its arrays there.
 """
 import hashlib
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
 from dr_scale.errors import DrScaleError
+from dr_scale.runtime import file_lock
 
-VERSION = "2"  # bump when an array's meaning changes
+VERSION = "3"  # bump when an array's meaning (or the key) changes
 
 
 def key_of(*parts) -> str:
@@ -33,10 +40,24 @@ def key_of(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-def file_identity(path) -> tuple:
-    """What a cache keyed on a file assumes unchanged: its name, size and modification time."""
-    st = Path(path).stat()
-    return str(Path(path).resolve()), st.st_size, st.st_mtime_ns
+SAMPLES, SAMPLE_BYTES = 32, 64 * 1024
+
+
+def content_identity(path) -> tuple:
+    """What a cache keyed on a file assumes unchanged: its size and the hash of 32 pieces of
+    64 KiB spread evenly over it, first and last included (all of a file up to 2 MiB): ~2 MiB
+    read whatever the file's size, the same for a copy anywhere. A change of the same size that
+    misses every piece goes unseen: rewrite the file under a new name, or remove its .index."""
+    size = Path(path).stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= SAMPLES * SAMPLE_BYTES:
+            h.update(f.read())
+        else:
+            for i in range(SAMPLES):
+                f.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                h.update(f.read(SAMPLE_BYTES))
+    return size, h.hexdigest()
 
 
 class FileArray:
@@ -113,36 +134,45 @@ def smallest_int(max_value: int):
 
 
 class IndexCache:
-    def __init__(self, folder: Optional[Path], build: bool = True):
-        """`build`: False where another process builds (the array must then exist)."""
+    def __init__(self, folder: Optional[Path]):
         self.folder = None if folder is None else Path(folder)
-        self.build = build
 
     def get(self, name: str, make: Callable[[], np.ndarray]) -> np.ndarray:
         if self.folder is None:
             return make()
         path = self.folder / f"{name}.npy"
         if not path.is_file():
-            if not self.build:
-                raise DrScaleError(f"{path}: not in the index cache (local rank 0 builds it "
-                                   "before the other ranks read; was it removed meanwhile?)")
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{name}.{os.getpid()}.npy")
-            np.save(tmp, np.ascontiguousarray(make()))
-            os.replace(tmp, path)
+            with self._lock():
+                if not path.is_file():  # nobody built it while this process waited
+                    t0 = time.perf_counter()
+                    tmp = path.with_name(f".{name}.{os.getpid()}.npy")
+                    array = np.ascontiguousarray(make())
+                    np.save(tmp, array)
+                    os.replace(tmp, path)
+                    print(f"dr_scale: index {self.folder.name}/{name}: {len(array):,} entries "
+                          f"built in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                          flush=True)
         return FileArray.of_npy(path)
 
     def child(self, name: str) -> "IndexCache":
-        return IndexCache(None if self.folder is None else self.folder / name, self.build)
+        return IndexCache(None if self.folder is None else self.folder / name)
 
     def stamp(self, name: str, check: Callable[[], None]):
         """Run `check` once per cache (e.g. a full validation of a large file), then remember."""
-        if self.folder is not None and (self.folder / name).is_file():
+        if self.folder is None:
+            check()
             return
-        check()
-        if self.folder is not None and self.build:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            (self.folder / name).write_text("ok\n")
+        if (self.folder / name).is_file():
+            return
+        with self._lock():
+            if not (self.folder / name).is_file():
+                check()
+                (self.folder / name).write_text("ok\n")
+
+    def _lock(self):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return file_lock.exclusive(self.folder / ".lock",
+                                   f"waiting for another process building {self.folder}")
 
 
 def cache_folder(beside: Path, fallback_root: Path, name: str) -> Path:

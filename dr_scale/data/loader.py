@@ -8,7 +8,7 @@ import torch
 
 from dr_scale.data.corpus import bundled_data
 from dr_scale.data.dataset import SampleStream, split_documents
-from dr_scale.data.index_cache import IndexCache, cache_folder, file_identity, key_of
+from dr_scale.data.index_cache import IndexCache, cache_folder, content_identity, key_of
 from dr_scale.data.indexed import IndexedDataset, paths
 from dr_scale.data.tokenizer import load_tokenizer
 from dr_scale.errors import DrScaleError
@@ -47,29 +47,24 @@ def resolve_files(data_cfg):
     return tok, [(str(prefix), 1.0, "packed")]
 
 
-def _dataset_cache(prefix, kind, data_cfg, seed, build) -> IndexCache:
-    """The index cache of one dataset, beside its files (or under data.cache_dir when that
-    folder is read-only), keyed by the files and every setting its arrays depend on."""
+def _dataset_cache(prefix, kind, data_cfg, seed) -> IndexCache:
+    """The index cache of one dataset, keyed by the files' content and every setting its arrays
+    depend on: found beside its files or under data.cache_dir, else made beside the files (or
+    under data.cache_dir when that folder is read-only)."""
     bin_path, idx_path, _ = paths(prefix)
-    key = key_of(file_identity(idx_path), file_identity(bin_path), kind, data_cfg.seq_length,
-                 seed, data_cfg.valid_fraction)
-    folder = cache_folder(Path(f"{prefix}.index"), data_cfg.cache_dir, key) if build else \
-        _existing(Path(f"{prefix}.index") / key, Path(data_cfg.cache_dir) / "indices" / key)
-    return IndexCache(folder, build)
-
-
-def _existing(*folders):
-    for f in folders:
-        if Path(os.path.expanduser(f)).is_dir():
-            return Path(os.path.expanduser(f))
-    return Path(os.path.expanduser(folders[0]))  # IndexCache.get names it in its error
+    key = key_of(content_identity(idx_path), content_identity(bin_path), kind,
+                 data_cfg.seq_length, seed, data_cfg.valid_fraction)
+    beside = Path(f"{prefix}.index")
+    for found in (beside / key, Path(os.path.expanduser(data_cfg.cache_dir)) / "indices" / key):
+        if found.is_dir():
+            return IndexCache(found)
+    return IndexCache(cache_folder(beside, data_cfg.cache_dir, key))
 
 
 def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
-                  tokenizer_path=None, specs=None, build_index: bool = True) -> DataSources:
-    """The train and held-out streams. Their index arrays are built into caches (see
-    data/index_cache.py) when `build_index`, else read from them (the launcher builds on local
-    rank 0 first)."""
+                  tokenizer_path=None, specs=None) -> DataSources:
+    """The train and held-out streams. Their index arrays are read from caches, built there
+    once by whichever process comes first (see data/index_cache.py)."""
     if tokenizer_path is None:
         tokenizer_path, specs = resolve_files(data_cfg)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -77,7 +72,7 @@ def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
     for prefix, weight, kind in specs:
         # builder(indexed, doc ids, seq_length, seed, name, cache)
         make = DATASET_REGISTRY.get(kind)
-        cache = _dataset_cache(prefix, kind, data_cfg, seed, build_index)
+        cache = _dataset_cache(prefix, kind, data_cfg, seed)
         indexed = IndexedDataset(prefix, check_contents=False)
         cache.stamp("contents_checked", indexed.check_contents)
         warning = indexed.check_tokenizer(tokenizer)
@@ -100,7 +95,7 @@ def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
     blends = Path(os.path.expanduser(data_cfg.cache_dir)) / "indices"
 
     def blend_cache(*parts):
-        return IndexCache(blends / f"blend-{key_of(*parts)}", build_index)
+        return IndexCache(blends / f"blend-{key_of(*parts)}")
     train = SampleStream(train_sets, weights, seed, train_samples,
                          blend_cache(keys, weights, seed, train_samples))
     valid = SampleStream(valid_sets, valid_weights, seed + 1, eval_samples,
