@@ -299,54 +299,6 @@ def test_sigterm_saves_and_resume_auto_continues(reference, cache_dir, tmp_path)
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
 
 
-def test_slurm_script_tasks_stop_on_sigusr1_and_continue(reference, cache_dir, tmp_path):
-    """The per-task command of launchers/slurm_pretrain.sbatch, run as SLURM would run it on one
-    node of 2 tasks (its SLURM_* variables set here): each task becomes one rank; SIGUSR1 to the
-    tasks (--signal=USR1@120) stops both at one step with a checkpoint and status 75, the
-    script's cue to requeue; the same command then continues to the end with the uninterrupted
-    losses (fp32, bitwise)."""
-    from tests.conftest import ROOT
-
-    text = (ROOT / "launchers" / "slurm_pretrain.sbatch").read_text()
-    task = re.search(r"srun [^\n]*bash -c '(.*?)' _ \"\$@\"", text, re.S).group(1)
-    ds, expected, _ = reference
-    run = tmp_path / "run"
-    args = ["--ds_config", str(ds), "--run_dir", str(run), *ARGS]
-    port = str(free_port())
-
-    def start(log):
-        procs = []
-        for rank in (0, 1):
-            env = dict(os.environ, DR_SCALE_CACHE=str(cache_dir), SLURM_PROCID=str(rank),
-                       SLURM_LOCALID=str(rank), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen(["bash", "-c", task, "_", *args], cwd=ROOT, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-        return procs
-
-    with open(tmp_path / "first.log", "w") as log:
-        procs = start(log)
-        deadline = time.time() + 300
-        while 3 not in logged_steps(run) and time.time() < deadline:
-            assert all(p.poll() is None for p in procs), (tmp_path / "first.log").read_text()
-            time.sleep(0.01)
-        for p in procs:  # the task is python itself (exec): the signal reaches the rank
-            p.send_signal(signal.SIGUSR1)
-        codes = [p.wait(timeout=120) for p in procs]
-    first = (tmp_path / "first.log").read_text()
-    assert codes == [75, 75], first[-3000:]
-    stopped = int(re.search(r"stopped: SIGUSR1 at step (\d+)", first).group(1))
-    port = str(free_port())
-    with open(tmp_path / "second.log", "w") as log:
-        codes = [p.wait(timeout=300) for p in start(log)]
-    second = (tmp_path / "second.log").read_text()
-    assert codes == [0, 0], second[-3000:]
-    assert f"at step {stopped} ({stopped * 8} samples consumed)" in second
-    got = [r for r in records(run) if "loss" in r]
-    assert [r["step"] for r in got] == list(range(1, 13))
-    assert {r["step"]: r["loss"] for r in got} == expected
-
-
 def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_path):
     """SIGSTOP to rank 1 mid-run: rank 0 waits train.collective_timeout_s (10 s here) in its
     next collective, then the run ends with one line naming rank 0 and the step and phase it

@@ -13,7 +13,7 @@ from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.runtime.process_group import threads_per_rank
 from dr_scale.models.build import count_parameters, spec_of
-from dr_scale.train import host_memory
+from dr_scale.train import host_memory, slurm_lead
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
@@ -97,6 +97,9 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
                f"from {host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of their own"
                if host_memory.can_release() else "memory: train.release_host_memory does "
                "nothing here: the C library is not glibc (no malloc_trim)")
+    yield from slurm_lead.lead_lines(facts.parameters, 4 if plan.precision == "fp32" else 2,
+                                     max(1, t.world // group.local_world),
+                                     c.train.checkpoint_write_gbps)
     yield from (f"warning: {w}" for w in sources.warnings)
 
 

@@ -1,0 +1,222 @@
+"""launchers/slurm_pretrain.sbatch under a real SLURM: Debian's slurm-wlm and munge (the README's
+test section installs them), one node of this machine started here (munged, slurmctld and slurmd
+with their own configuration in a temporary folder). A 2-task job preempted (the time limit's
+SIGUSR1, or `scontrol requeue`) saves, is requeued, resumes and ends with the uninterrupted run's
+losses; a task killed by SIGKILL ends the job (the survivor's collective fails, or srun ends it),
+which requeues itself and resumes from the newest complete checkpoint, to the same losses."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, free_port, launch
+from tests.test_crash_resume import ARGS, logged_steps
+from tests.test_train_distributed import fp32_config, records
+
+SCRIPT = ROOT / "launchers" / "slurm_pretrain.sbatch"
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+SLURM_CONF = """ClusterName=dr_scale_test
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# a requeued job waits cred_expire before it starts again (120 s by default)
+AuthInfo=socket={root}/munge.socket,cred_expire=10
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+SwitchType=switch/none
+JobRequeue=1
+ReturnToService=2
+KillWait=30
+MinJobAge=600
+SchedulerType=sched/backfill
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+{node} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The environment that reaches this machine's one-node SLURM (SLURM_CONF)."""
+    missing = [p for p in PROGRAMS if shutil.which(p) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found: these tests need Debian's slurm-wlm and "
+                    f"munge (apt-get install slurm-wlm munge, as the README's test section says)")
+    root = tmp_path_factory.mktemp("slurm")
+    for folder in ("state", "spool"):
+        (root / folder).mkdir()
+    node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
+                          check=True).stdout.splitlines()[0]  # NodeName=... CPUs=... RealMemory=
+    host = re.search(r"NodeName=(\S+)", node).group(1)
+    conf = root / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=host, root=root, node=node, ctld_port=free_port(),
+                                      d_port=free_port()))
+    env = dict(os.environ, SLURM_CONF=str(conf))
+    subprocess.run(["munged", "--force", f"--socket={root}/munge.socket",
+                    f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
+                    f"--seed-file={root}/munge.seed"], check=True, env=env)
+    subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=env)
+    subprocess.run(["slurmd", "-f", str(conf)], check=True, env=env)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                                   env=env).stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"SLURM's node did not come up ({state!r}):\n"
+                        + (root / "slurmctld.log").read_text()[-2000:])
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "--quiet", "--user", "root"], env=env)
+        for daemon in ("slurmd", "slurmctld", "munged"):
+            pid_file = root / f"{daemon}.pid"
+            if pid_file.is_file():
+                with _no_such_process():
+                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+
+
+class _no_such_process:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        return kind is ProcessLookupError
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory):
+    """The uninterrupted run (fp32 ZeRO-3, 2 ranks) the SLURM jobs must equal, bitwise."""
+    tmp = tmp_path_factory.mktemp("slurm_reference")
+    ds = fp32_config(tmp, 3)
+    run = tmp / "reference"
+    launch(["--ds_config", ds, "--run_dir", run, *ARGS], 2, cache_dir)
+    return ds, {r["step"]: r["loss"] for r in records(run) if "loss" in r}
+
+
+def submit(slurm, cache_dir, ds, run) -> str:
+    """The README's sbatch line on one node of 2 CPU tasks (no GPUs): the job id."""
+    env = dict(slurm, DR_SCALE_CACHE=str(cache_dir), SURVIVOR_WAIT_S="10")
+    env.pop("OMP_NUM_THREADS", None)
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2",
+                          "--cpus-per-task=1", "--gpus-per-node=0", "--time=30",
+                          f"--output={run.parent}/slurm-%j.out", f"--chdir={ROOT}", str(SCRIPT),
+                          "--ds_config", str(ds), "--run_dir", str(run), *ARGS],
+                         capture_output=True, text=True, env=env, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def job_state(slurm, job) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True,
+                          text=True, env=slurm).stdout.strip()
+
+
+def wait_for(what, ready, timeout, log):
+    deadline = time.time() + timeout
+    while not ready():
+        if time.time() > deadline:
+            pytest.fail(f"waited {timeout} s for {what}:\n"
+                        + (log.read_text()[-3000:] if log.is_file() else "(no job output)"))
+        time.sleep(0.2)
+
+
+def finished(slurm, job, run, expected):
+    log = run.parent / f"slurm-{job}.out"
+    wait_for("the job to end", lambda: job_state(slurm, job) == "", 400, log)
+    text = log.read_text()
+    got = [r for r in records(run) if "loss" in r]
+    assert [r["step"] for r in got] == list(range(1, 13)), text[-3000:]
+    assert {r["step"]: r["loss"] for r in got} == expected  # fp32: bitwise
+    return text
+
+
+# the time limit's signal (--signal=USR1@...) sent now: the tasks stop with a checkpoint and
+# status 75, and the script requeues the job; `scontrol requeue`: SLURM ends and requeues it
+# (SIGTERM to every process of the job, SIGKILL KillWait later)
+@pytest.mark.parametrize("preemption, signal_name", [
+    (["scancel", "--signal=USR1"], "SIGUSR1"), (["scontrol", "requeue"], "SIGTERM")])
+def test_a_preempted_job_is_requeued_and_continues(preemption, signal_name, slurm, reference,
+                                                   cache_dir, tmp_path):
+    ds, expected = reference
+    run = tmp_path / "run"
+    job = submit(slurm, cache_dir, ds, run)
+    log = tmp_path / f"slurm-{job}.out"
+    wait_for("step 4", lambda: 4 in logged_steps(run), 300, log)
+    subprocess.run([*preemption, job], check=True, env=slurm)
+    text = finished(slurm, job, run, expected)
+    stopped = int(re.search(rf"stopped: {signal_name} at step (\d+)", text).group(1))
+    # one output file in append mode: both attempts, each task's lines labelled
+    assert "attempt 1 on" in text and "attempt 2 on" in text
+    assert f"0: slurm: job {job}; a save writes" in text and "given 600 s" in text
+    assert re.search(rf"^0: .*resumed from .*at step {stopped} ", text, re.M), text[-3000:]
+    assert re.search(r"^1: ", text, re.M)
+    assert not (run / "slurm_failures").exists()  # a preemption spends no retry
+
+
+def test_a_task_killed_by_sigkill_requeues_from_the_last_complete_checkpoint(
+        slurm, reference, cache_dir, tmp_path):
+    ds, expected = reference
+    run = tmp_path / "run"
+    job = submit(slurm, cache_dir, ds, run)
+    log = tmp_path / f"slurm-{job}.out"
+    wait_for("step 7", lambda: 7 in logged_steps(run), 300, log)
+    ranks = {}  # the tasks' python processes (srun and the batch shell name the run too)
+    for proc in psutil.process_iter(["cmdline"]):
+        with _no_such_process():
+            cmd = proc.info["cmdline"] or []
+            if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
+                    and "RANK" in proc.environ() and "pretrain.py" not in \
+                    " ".join(proc.parent().cmdline()):  # not a data-loader worker
+                ranks[proc.environ()["RANK"]] = proc
+    assert sorted(ranks) == ["0", "1"], ranks
+    killed_at = time.time()
+    ranks["1"].send_signal(signal.SIGKILL)
+    survivor_gone = psutil.wait_procs([ranks["0"]], timeout=120)[0]
+    assert survivor_gone, "srun did not end the surviving task within 2 minutes"
+    print(f"the survivor ended {time.time() - killed_at:.1f} s after its peer's SIGKILL")
+    text = finished(slurm, job, run, expected)
+    assert "failure 1 of 5 allowed: requeued" in text, text[-3000:]
+    assert len((run / "slurm_failures").read_text().splitlines()) == 1
+    resumed = int(re.search(r"resumed from .*step_(\d+)", text).group(1))
+    assert resumed in (3, 6)  # the newest complete checkpoint before the kill at step 7+
+
+
+def test_the_stop_signal_lead_is_told_and_checked():
+    """The script's --signal lead and the DR_SCALE_SIGNAL_LEAD_S it tells the launcher agree;
+    the launcher's estimate for a 70B model (bf16 weights, Adam) on 8 and on 2 nodes at
+    1 GB/s a node: 0.97 TB, a lead of 360 s (within the script's 600) and of 1080 s (a
+    warning naming the value to set)."""
+    from dr_scale.train.slurm_lead import LEAD_ENV, lead_lines
+
+    text = SCRIPT.read_text()
+    lead = re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.M).group(1)
+    assert re.search(rf"^export {LEAD_ENV}=\${{{LEAD_ENV}:-{lead}}}", text, re.M)
+    env = {"SLURM_JOB_ID": "7", LEAD_ENV: lead}
+    eight = list(lead_lines(68_976_648_192, 2, 8, 1.0, env))
+    assert len(eight) == 1 and "a save writes 965.7 GB, 120.7 GB a node: ~121 s" in eight[0]
+    assert "lead needed 360 s (--signal=USR1@360), given 600 s" in eight[0]
+    two = list(lead_lines(68_976_648_192, 2, 2, 1.0, env))
+    assert len(two) == 2 and two[1].startswith("warning: the job's stop signal comes 600 s")
+    assert two[1].endswith(f"raise --signal=USR1@ and {LEAD_ENV} to 1080")
+    assert list(lead_lines(68_976_648_192, 2, 8, 1.0, {})) == []  # not under SLURM
