@@ -88,8 +88,12 @@ def slurm(tmp_path_factory):
             pytest.fail(f"SLURM's node did not come up ({state!r}):\n"
                         + (root / "slurmctld.log").read_text()[-2000:])
         yield env
-    finally:
+    finally:  # a test that failed mid-job leaves it running: end it before the daemons
         subprocess.run(["scancel", "--full", "--quiet", "--user", "root"], env=env)
+        deadline = time.time() + 60
+        while time.time() < deadline and subprocess.run(
+                ["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip():
+            time.sleep(0.5)
         for daemon in ("slurmd", "slurmctld", "munged"):
             pid_file = root / f"{daemon}.pid"
             if pid_file.is_file():
