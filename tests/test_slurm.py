@@ -18,7 +18,7 @@ from tests.test_crash_resume import ARGS, logged_steps
 from tests.test_train_distributed import fp32_config, records
 
 SCRIPT = ROOT / "launchers" / "slurm_pretrain.sbatch"
-PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 SLURM_CONF = """ClusterName=dr_scale_test
 SlurmctldHost={host}
 SlurmUser=root
