@@ -1,5 +1,6 @@
 """Checkpoint publication over a real 2-rank gloo group: every rank fsyncs its own files, the
-checkpoint is renamed and named in `latest` only when all ranks confirm, old ones go after."""
+checkpoint is renamed and named in `latest` only when all ranks confirm, old ones go after (in a
+thread of their own)."""
 import json
 import zlib
 
@@ -22,6 +23,9 @@ def test_latest_moves_only_when_every_rank_confirms(tmp_path):
         assert "latest still names the previous checkpoint" in r["4"]
         assert r["latest_after_4"] == "step_00000003"
         assert r["kept_after_4"] == ["step_00000002", "step_00000003"]
+        # pruned ones were renamed aside at once, then deleted by a thread of rank 0's, with
+        # the folder an earlier process had set aside
+        assert r["set_aside_left"] == []
     rank1 = json.loads((tmp_path / "result.1").read_text())
     assert "rank1.bin: No such file or directory" in rank1["4"]  # names the file it lost
     final = ckpt / "step_00000003"

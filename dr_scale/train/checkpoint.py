@@ -117,12 +117,27 @@ def find_tag(ckpt_dir: Path, step: Optional[int] = None) -> str:
     return tag
 
 
-def remove_checkpoint(ckpt_dir: Path, tag: str):
-    """Delete checkpoint `tag` and every universal form converted from it."""
+DELETING = ".deleting-"  # a checkpoint set aside to be deleted: its name no longer a tag's
+
+
+def set_aside(ckpt_dir: Path, tag: str) -> list:
+    """Rename checkpoint `tag` and every universal form converted from it out of the way, one
+    rename each, so nothing that lists checkpoints ever meets one half deleted; the folders to
+    delete."""
     ckpt_dir = Path(ckpt_dir)
-    for converted in (ckpt_dir / "universal").glob(f"*/{tag}"):
-        shutil.rmtree(converted, ignore_errors=True)
-    shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+    folders = []
+    for folder in [*(ckpt_dir / "universal").glob(f"*/{tag}"), ckpt_dir / tag]:
+        if folder.is_dir():
+            aside = folder.with_name(f"{DELETING}{folder.name}.{os.getpid()}")
+            os.rename(folder, aside)
+            folders.append(aside)
+    return folders
+
+
+def set_aside_earlier(ckpt_dir: Path) -> list:
+    """Folders set aside by a process that ended before it had deleted them."""
+    ckpt_dir = Path(ckpt_dir)
+    return [*ckpt_dir.glob(f"{DELETING}*"), *(ckpt_dir / "universal").glob(f"*/{DELETING}*")]
 
 
 def ranks_written(tag_dir: Path) -> int:

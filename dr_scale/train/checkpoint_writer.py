@@ -1,5 +1,5 @@
 """Writing a checkpoint: every rank's files made durable by that rank, `latest` moved only when
-all ranks confirm, old checkpoints deleted after the ranks have moved on; synchronous, or
+all ranks confirm, old checkpoints deleted in a thread of rank 0's; synchronous, or
 asynchronous with the files written behind the next step's compute.
 
 The layout and its crash guarantee are checkpoint.py's: files go to checkpoints/.incoming/<tag>/,
@@ -40,7 +40,8 @@ from dr_scale.runtime import comm, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train import manifest
 from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
-                                       fsync_file, remove_checkpoint, tag_for, write_atomic)
+                                       fsync_file, set_aside, set_aside_earlier, tag_for,
+                                       write_atomic)
 
 
 class FileLedger:
@@ -82,6 +83,7 @@ class CheckpointWriter:
         self._error: Optional[BaseException] = None
         self._pending: Optional[tuple] = None  # (step, path) of the save in flight
         self._blocked_s = 0.0  # how long the loop has waited for the save in flight
+        self._deleter: Optional[threading.Thread] = None
 
     # -- the loop's side -----------------------------------------------------------------------
     def save(self, step: int, state: dict) -> Optional[tuple]:
@@ -239,11 +241,34 @@ class CheckpointWriter:
             write_atomic(self.ckpt_dir / LATEST, tag + "\n")
         comm.barrier(group=group)  # the checkpoint is complete for every rank
         if self.rank == 0 and self.keep_last > 0:
-            # after the barrier: the other ranks are training while old ones go
-            for old in complete_tags(self.ckpt_dir)[:-self.keep_last]:
-                if old != tag:
-                    remove_checkpoint(self.ckpt_dir, old)
+            old = [t for t in complete_tags(self.ckpt_dir)[:-self.keep_last] if t != tag]
+            self._delete([*set_aside_earlier(self.ckpt_dir),
+                          *(folder for t in old for folder in set_aside(self.ckpt_dir, t))])
         return final
+
+    def _delete(self, folders: List[Path]):
+        """Old checkpoints are renamed aside at once (set_aside) and deleted in a thread of
+        their own: deleting a 70B one (~1 TB in many files on a parallel file system) takes
+        minutes that neither rank 0 nor the ranks waiting for it at the next collective need
+        to spend. One deleting thread at a time; `finish_deletes` waits for it at the end of a
+        run; a run stopped before it finished leaves the renamed folders to the next run's."""
+        if not folders:
+            return
+        previous = self._deleter
+
+        def delete():
+            if previous is not None:
+                previous.join()
+            for folder in folders:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._deleter = threading.Thread(target=delete, name="dr_scale checkpoint deletes",
+                                         daemon=True)
+        self._deleter.start()
+
+    def finish_deletes(self):
+        if self._deleter is not None:
+            self._deleter.join()
+            self._deleter = None
 
 
 def _written(write, path) -> Optional[str]:

@@ -212,6 +212,7 @@ class Trainer:
                                 f"{self.last_checkpoint} saved; the same command with "
                                 f"--resume auto continues")
         self.finish_checkpoint()
+        self.writer.finish_deletes()  # the run's end, not a stop: a stop leaves them for later
         self.callbacks.fire("on_exit", self)
 
     @contextlib.contextmanager

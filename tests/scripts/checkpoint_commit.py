@@ -24,6 +24,9 @@ def rank_main(rank, port, ckpt_dir, out):
     writer = CheckpointWriter(engine, ckpt_dir,
                               Topology(2, rank=rank), keep_last=2)
     result = {}
+    if rank == 0:  # set aside by an earlier process that ended before deleting it
+        (ckpt_dir / ".deleting-step_00000000.1").mkdir(parents=True)
+        (ckpt_dir / ".deleting-step_00000000.1" / "rank0.bin").write_bytes(b"old")
     for step in (1, 2, 3, 4):
         folder = ckpt_dir / STAGING / tag_for(step)
         folder.mkdir(parents=True, exist_ok=True)
@@ -40,6 +43,9 @@ def rank_main(rank, port, ckpt_dir, out):
         result[f"latest_after_{step}"] = (ckpt_dir / "latest").read_text().strip()
         result[f"kept_after_{step}"] = sorted(p.name for p in ckpt_dir.iterdir()
                                               if p.name.startswith("step_"))
+    writer.finish_deletes()  # the pruned checkpoints went in rank 0's deleting thread
+    dist.barrier()
+    result["set_aside_left"] = sorted(p.name for p in ckpt_dir.glob(".deleting-*"))
     write_and_leave(out, rank, result)
 
 
