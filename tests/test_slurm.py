@@ -154,35 +154,23 @@ def finished(slurm, job, run, expected):
     return text
 
 
-def test_a_preempted_job_is_requeued_and_continues(slurm, reference, cache_dir, tmp_path):
-    """The time limit's signal (--signal=USR1@...), sent now: the tasks stop with a checkpoint
-    and status 75, and the script requeues the job. (`scontrol requeue` from outside, SIGTERM
-    to every process of the job, ends the same way: measured, and left out of the suite for
-    time; SIGTERM's stop and resume: tests/test_crash_resume.py.)"""
+def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterrupted(
+        slurm, reference, cache_dir, tmp_path):
+    """One job, two ends: the time limit's signal (--signal=USR1@..., sent now with scancel)
+    stops the tasks with a checkpoint and status 75, and the script requeues the job; in the
+    next attempt a task is SIGKILLed, the survivor ends (its collective fails; srun's --wait
+    would end it otherwise), and the script requeues the job as failure 1 of 5, which resumes
+    from the newest complete checkpoint. The losses: the uninterrupted run's, bitwise. (`scontrol
+    requeue` from outside, SIGTERM to the job, was measured to end the same way; SIGTERM's stop
+    and resume: tests/test_crash_resume.py.)"""
     ds, expected = reference
     run = tmp_path / "run"
     job = submit(slurm, cache_dir, ds, run)
     log = tmp_path / f"slurm-{job}.out"
     wait_for("step 4", lambda: 4 in logged_steps(run), 300, log)
     subprocess.run(["scancel", "--signal=USR1", job], check=True, env=slurm)
-    text = finished(slurm, job, run, expected)
-    stopped = int(re.search(r"stopped: SIGUSR1 at step (\d+)", text).group(1))
-    assert "stopped with a checkpoint (exit 75): requeued" in text
-    # one output file in append mode: both attempts, each task's lines labelled
-    assert "attempt 1 on" in text and "attempt 2 on" in text
-    assert f"0: slurm: job {job}; a save writes" in text and "given 600 s" in text
-    assert re.search(rf"^0: .*resumed from .*at step {stopped} ", text, re.M), text[-3000:]
-    assert re.search(r"^1: ", text, re.M)
-    assert not (run / "slurm_failures").exists()  # a preemption spends no retry
-
-
-def test_a_task_killed_by_sigkill_requeues_from_the_last_complete_checkpoint(
-        slurm, reference, cache_dir, tmp_path):
-    ds, expected = reference
-    run = tmp_path / "run"
-    job = submit(slurm, cache_dir, ds, run)
-    log = tmp_path / f"slurm-{job}.out"
-    wait_for("step 7", lambda: 7 in logged_steps(run), 300, log)
+    wait_for("the second attempt's step 8",
+             lambda: "attempt 2 on" in log.read_text() and 8 in logged_steps(run), 300, log)
     ranks = {}  # the tasks' python processes (srun and the batch shell name the run too)
     for proc in psutil.process_iter(["cmdline"]):
         with _no_such_process():
@@ -195,13 +183,22 @@ def test_a_task_killed_by_sigkill_requeues_from_the_last_complete_checkpoint(
     killed_at = time.time()
     ranks["1"].send_signal(signal.SIGKILL)
     survivor_gone = psutil.wait_procs([ranks["0"]], timeout=120)[0]
-    assert survivor_gone, "srun did not end the surviving task within 2 minutes"
+    assert survivor_gone, "the surviving task did not end within 2 minutes"
     print(f"the survivor ended {time.time() - killed_at:.1f} s after its peer's SIGKILL")
     text = finished(slurm, job, run, expected)
-    assert "failure 1 of 5 allowed: requeued" in text, text[-3000:]
-    assert len((run / "slurm_failures").read_text().splitlines()) == 1
-    resumed = int(re.search(r"resumed from .*step_(\d+)", text).group(1))
-    assert resumed in (3, 6)  # the newest complete checkpoint before the kill at step 7+
+    # one output file in append mode: the three attempts, each task's lines labelled
+    attempts = re.split(r"^dr_scale: job \d+ attempt \d+ on .*$", text, flags=re.M)[1:]
+    assert len(attempts) == 3, text[-3000:]
+    stopped = int(re.search(r"stopped: SIGUSR1 at step (\d+)", attempts[0]).group(1))
+    assert "stopped with a checkpoint (exit 75): requeued" in attempts[0]
+    assert f"0: slurm: job {job}; a save writes" in attempts[0] and "given 600 s" in text
+    assert re.search(rf"^0: .*resumed from .*step_0*{stopped} at step {stopped} ", attempts[1],
+                     re.M), attempts[1][-3000:]
+    assert "failure 1 of 5 allowed: requeued" in attempts[1]
+    assert re.search(r"^1: ", text, re.M)
+    assert len((run / "slurm_failures").read_text().splitlines()) == 1  # the stop spent none
+    resumed = int(re.search(r"resumed from .*step_(\d+)", attempts[2]).group(1))
+    assert resumed in (6, 9)  # the newest complete checkpoint when step 8 or 9 ran
 
 
 def test_the_stop_signal_lead_is_told_and_checked():
