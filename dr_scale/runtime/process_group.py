@@ -1,7 +1,6 @@
 """The process group: started through DeepSpeed's accelerator (gloo on CPU, NCCL on GPU), left
 together at the end."""
 import datetime
-import glob
 import os
 import socket
 
@@ -42,9 +41,16 @@ def init_distributed(timeout_s: int = 600):
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), timeout=timeout)
     if acc.device_name() == "cpu":
-        release_shm_names()
+        # DeepSpeed's CPU backend JIT-loads its shared-memory all-reduce op at init (1.1-1.3 s
+        # a rank, measured here) and maps a 66 MB /dev/shm buffer per rank that it never
+        # unlinks (they filled /dev/shm run after run); the op serves inference_all_reduce
+        # only, which training never calls. Marked incompatible, the backend skips it
+        # (deepspeed/comm/torch.py, build_shm_op).
+        from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+        deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name(), timeout=timeout)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or
                       os.environ.get("WORLD_SIZE", "1"))
     if acc.device_name() == "cpu":
@@ -75,23 +81,6 @@ def threads_per_rank(local_world: int):
             return int(value), f"{var}={value}"
     return (max(1, (os.cpu_count() or 1) // max(1, local_world)),
             f"{os.cpu_count()} cores / {local_world} rank(s) on this node")
-
-
-def release_shm_names():
-    """DeepSpeed's CPU comm op maps a 66 MB /dev/shm buffer per rank (for inference all-reduce)
-    and never unlinks it, so every run used to leave its buffers behind until /dev/shm filled
-    and later runs crashed or hung. Once every rank has mapped its peers' buffers (the barrier),
-    the names can go: the mappings live on and the memory is freed when the ranks exit, SIGKILL
-    included."""
-    comm.barrier()
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_*"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    comm.barrier()
 
 
 def close_distributed():
