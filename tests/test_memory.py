@@ -133,6 +133,8 @@ def test_peak_memory_starts_anew_at_reset():
     reset_peak_memory("cpu")
     after = peak_memory_bytes("cpu")
     assert before - after >= 48 * 2 ** 20, (before, after)
-    training = torch.ones(16 * 2 ** 20 // 4)
-    assert peak_memory_bytes("cpu") - after >= 15 * 2 ** 20  # and counts what comes after
+    # and counts what comes after: 40 MiB, above glibc's largest mmap threshold (32 MiB), so
+    # fresh pages, whatever freed heap an earlier test in this process left resident to reuse
+    training = torch.ones(40 * 2 ** 20 // 4)
+    assert peak_memory_bytes("cpu") - after >= 39 * 2 ** 20
     del training
