@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, free_port, launch
-from tests.test_crash_resume import ARGS, logged_steps
-from tests.test_train_distributed import fp32_config, records
+from tests.conftest import ROOT, free_port
+from tests.test_crash_resume import ARGS, logged_steps, reference  # noqa: F401 (a fixture)
+from tests.test_train_distributed import records
 
 SCRIPT = ROOT / "launchers" / "slurm_pretrain.sbatch"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
@@ -108,16 +108,6 @@ class _no_such_process:
         return kind is ProcessLookupError
 
 
-@pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory):
-    """The uninterrupted run (fp32 ZeRO-3, 2 ranks) the SLURM jobs must equal, bitwise."""
-    tmp = tmp_path_factory.mktemp("slurm_reference")
-    ds = fp32_config(tmp, 3)
-    run = tmp / "reference"
-    launch(["--ds_config", ds, "--run_dir", run, *ARGS], 2, cache_dir)
-    return ds, {r["step"]: r["loss"] for r in records(run) if "loss" in r}
-
-
 def submit(slurm, cache_dir, ds, run) -> str:
     """The README's sbatch line on one node of 2 CPU tasks (no GPUs): the job id."""
     env = dict(slurm, DR_SCALE_CACHE=str(cache_dir), SURVIVOR_WAIT_S="10")
@@ -163,7 +153,7 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
     from the newest complete checkpoint. The losses: the uninterrupted run's, bitwise. (`scontrol
     requeue` from outside, SIGTERM to the job, was measured to end the same way; SIGTERM's stop
     and resume: tests/test_crash_resume.py.)"""
-    ds, expected = reference
+    ds, expected, _ = reference  # the uninterrupted run the job must equal, bitwise
     run = tmp_path / "run"
     job = submit(slurm, cache_dir, ds, run)
     log = tmp_path / f"slurm-{job}.out"

@@ -116,14 +116,18 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
             f"their slices on the wrong dimension; {way_out}")
 
 
-def _conversion_record(tag_dir: Path) -> dict:
-    """The checkpoint's universal-checkpoint record (DeepSpeed's key; empty where none)."""
+def _model_states(tag_dir: Path) -> dict:
+    """Tensor rank 0's model-states file of the checkpoint (empty where none)."""
     files = sorted(Path(tag_dir).glob("*mp_rank_00_model_states.pt"))
     if not files:
         return {}
     # DeepSpeed's own file (DeepSpeed loads it with weights_only=False too); mmap: no weights read
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    return state.get(UNIVERSAL_CHECKPOINT_INFO) or {}
+    return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+
+
+def _conversion_record(tag_dir: Path) -> dict:
+    """The checkpoint's universal-checkpoint record (DeepSpeed's key; empty where none)."""
+    return _model_states(tag_dir).get(UNIVERSAL_CHECKPOINT_INFO) or {}
 
 
 def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
@@ -171,12 +175,8 @@ def default_workers(tag_dir: Path) -> int:
 
 def _largest_joined_tensor(tag_dir: Path) -> int:
     """Elements of the checkpoint's largest parameter, its tensor-parallel slices joined."""
-    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
-    if not files:
-        return 0
-    # DeepSpeed's own file (it loads it with weights_only=False too); mapped: no weights read
-    state = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    shapes = [shape for group in state.get("param_shapes") or [] for shape in group.values()]
+    shapes = [shape for group in _model_states(tag_dir).get("param_shapes") or []
+              for shape in group.values()]
     largest = max((torch.Size(shape).numel() for shape in shapes), default=0)
     return largest * saved_parallel_layout(tag_dir)[0]
 
