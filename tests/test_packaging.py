@@ -51,8 +51,9 @@ def test_the_bare_name_kernels_stays_pypis_from_the_checkout_root(tmp_path):
 
 
 def test_gpu_check_plan_fits_its_budget_and_runs_every_gpu_test():
-    """`gpu_check.sh --plan`: the parts' budgets sum to at most 400 s of the 600 a GPU command
-    gets (a rerun fits a 15-minute lease), tests + launch (the --quick pair) at most 180; every
+    """`gpu_check.sh --plan`: the parts' budgets sum to at most 480 s of the 600 a GPU command
+    gets (a machine took 30-100 s to start in the first GPU run), in the order that puts the
+    run's own path first (prepare, launch, llama_1b), and --quick fits 330 s; every
     file it lists collects tests, every test file that needs a GPU is listed, and what it
     deselects as CPU-only exists and is marked to skip on a GPU."""
     import re
@@ -61,8 +62,9 @@ def test_gpu_check_plan_fits_its_budget_and_runs_every_gpu_test():
     plan = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--plan"],
                           capture_output=True, text=True, timeout=30, check=True).stdout
     budgets = {p: int(s) for p, s in re.findall(r"^part (\w+): budget (\d+) s$", plan, re.M)}
-    assert list(budgets) == ["prepare", "tests", "launch", "kernels", "llama_1b"]
-    assert sum(budgets.values()) <= 400 and budgets["tests"] + budgets["launch"] <= 180
+    assert list(budgets) == ["prepare", "launch", "llama_1b", "kernels", "tests"]
+    assert sum(budgets.values()) <= 480
+    assert budgets["prepare"] + budgets["launch"] + budgets["tests"] <= 330
     listed = re.findall(r"^tests runs: (\S+)$", plan, re.M)
     deselected = re.findall(r"^tests deselects \(CPU-only\): (\S+)$", plan, re.M)
     marked = re.compile(r"^(pytestmark = |@)pytest\.mark\.skipif\(not torch\.cuda\.is_available",
