@@ -43,3 +43,59 @@ def test_latest_moves_only_when_every_rank_confirms(tmp_path):
     assert manifest.verify(final) is None
     assert manifest.verify(final, reuse_verdict=False).startswith("rank1.bin: CRC-32 ")
     assert (ckpt / ".incoming" / "step_00000004" / "rank0.bin").exists()  # not published
+
+
+def test_the_confirmation_waits_for_a_slow_writer_and_names_a_stalled_one(tmp_path):
+    """write_progress over a real TCPStore (the job's store kind): rank 0 waits for rank 1,
+    whose file grows for 2.5 s, longer than the 1 s stall limit, because it keeps growing; a
+    rank whose file stops growing is named within the limit plus one reporting interval."""
+    import socket
+    import threading
+    import time
+    from datetime import timedelta
+
+    import pytest
+    import torch.distributed as dist
+
+    from dr_scale.errors import DrScaleError
+    from dr_scale.train.write_progress import WriteProgress, wait_for_writers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=30))
+
+    def rank(store, name, index, chunks):
+        path = tmp_path / name
+        with WriteProgress(store, index, [path], interval_s=0.1):
+            with open(path, "wb") as f:
+                for _ in range(chunks):
+                    f.write(b"x" * 4096)
+                    f.flush()
+                    time.sleep(0.25)
+
+    for prefix, chunks, stalls in (("slow/", 10, False), ("stalled/", 1, True)):
+        store0, store1 = dist.PrefixStore(prefix, server), dist.PrefixStore(prefix, client)
+        if stalls:  # rank 1 reported once, then nothing (a dead process, a stuck fsync)
+            store1.set("progress/1", "4096")
+        else:
+            writer = threading.Thread(target=rank, args=(store1, "slow.bin", 1, chunks))
+            writer.start()
+        rank(store0, "rank0.bin", 0, 1)
+        t0 = time.monotonic()
+        if stalls:
+            with pytest.raises(DrScaleError) as e:
+                wait_for_writers(store0, 2, "checkpoint step_00000001", stall_s=1.0,
+                                 interval_s=0.2)
+            waited = time.monotonic() - t0
+            assert 1.0 <= waited < 2.5, waited
+            assert str(e.value).startswith("checkpoint step_00000001: rank 1 made no progress "
+                                           "writing its files for 1 s (at 0.0 MiB)")
+        else:
+            wait_for_writers(store0, 2, "checkpoint step_00000001", stall_s=1.0, interval_s=0.2)
+            waited = time.monotonic() - t0
+            writer.join()
+            assert waited >= 1.8, waited  # rank 1 wrote for 2.5 s, rank 0 for 0.25 of them
+            assert (tmp_path / "slow.bin").stat().st_size == 10 * 4096

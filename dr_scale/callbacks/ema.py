@@ -67,7 +67,8 @@ class EMA(Callback):
         return {"names": [s.name for s in self.shards], "shapes": [list(s.shape) for s in self.shards],
                 "starts": torch.tensor([s.start for s in self.shards], dtype=torch.int64),
                 "numels": torch.tensor([s.numel for s in self.shards], dtype=torch.int64),
-                "ema": [e.detach().cpu() for e in self.ema], "decay": self.decay}
+                "ema": [e.detach() for e in self.ema],  # to the host by the checkpoint writer
+                "decay": self.decay}
 
     def load_state_dict(self, state):
         self._loaded = state

@@ -82,8 +82,11 @@ class TrainConfig(Section):
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
     keep_checkpoints: int = field(3, min=0, help="keep the newest K checkpoints; 0 keeps all")
-    async_save: bool = field(False, help="write checkpoints behind the next step's forward and "
-                             "backward; the loop waits only before the next optimizer step")
+    async_save: bool = field(False, help="write checkpoints in the background while training "
+                             "goes on")
+    async_snapshot: bool = field(True, help="an asynchronous save copies the state to host "
+                                 "memory first and the loop waits for the copy only; false: no "
+                                 "copy, the loop waits before the next optimizer step")
     collective_timeout_s: int = field(600, min=5, help="a collective waiting longer ends the "
                                       "run in one line naming the rank and the phase")
     checkpoint_write_gbps: float = field(1.0, min=0.001, help="GB/s a node writes checkpoints "

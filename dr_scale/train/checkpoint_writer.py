@@ -12,18 +12,20 @@ a rank's fsync flushes its own writes only, so each rank fsyncs what it wrote, a
 
 Asynchronous saves (`train.async_save`). Measured on this project's CPUs, the cost of a save is
 the write of the state DeepSpeed hands its engine (torch.save + fsync); building those state
-dicts takes milliseconds, and they hold the live tensors, not copies. So the async path copies
-nothing: a writer thread serialises the live tensors while the loop goes on with the next step's
-forward and backward, and the loop waits for this rank's writes only before the next optimizer
-step changes them (`before_update`). No second copy of the optimizer state in memory, unlike a
-snapshot to host memory: llama_1b on one rank here peaks at 21.6 GiB of a 23 GiB machine, and a
-snapshot would add its 11 GiB of state (torch DCP's async_save stages such a copy, and writes
-its own format, which neither DeepSpeed's loader nor ds_to_universal reads). DeepSpeed's
-decoupled engine shares the tensors with a writer process and waits at the same point, but it
-writes through the async-I/O op (libaio), which this project cannot require. The confirmation
-(every rank wrote and fsynced) runs in the thread over a gloo group of its own, so it never
-interleaves with the training loop's collectives; torch's DCP async_save uses a separate group
-for the same reason.
+dicts takes milliseconds, and they hold the live tensors. With `train.async_snapshot` (the
+default) the loop copies them to host memory (snapshot.py: pinned pages from a GPU; a memcpy on
+CPU ranks) and a writer thread writes the copy while training goes on: the loop waits for the
+copy only. Without it nothing is copied: the thread writes the live tensors behind the next
+step's forward and backward and the loop waits before the next optimizer step changes them
+(`before_update`): for runs without host memory for a second copy of the optimizer state
+(llama_1b on one rank here peaks at 21.6 GiB of a 23 GiB machine). Why a thread of ours and not
+torch DCP's async_save (which stages such a copy too): DCP writes its own format, which neither
+DeepSpeed's loader nor ds_to_universal reads; DeepSpeed's decoupled engine writes through the
+async-I/O op (libaio), which this project cannot require. The confirmation (every rank wrote and
+fsynced) runs in the thread over a gloo group of its own, so it never interleaves with the
+training loop's collectives (torch's DCP async_save keeps a separate group for the same reason),
+and it starts only when every rank is done, waiting for the slowest as long as its writes
+progress (write_progress.py).
 """
 import datetime
 import os
@@ -39,6 +41,8 @@ import torch.distributed as dist
 from dr_scale.runtime import comm, nvme_offload
 from dr_scale.errors import DrScaleError
 from dr_scale.train import manifest
+from dr_scale.train.snapshot import SnapshotBuffers, host_snapshot
+from dr_scale.train.write_progress import WriteProgress, job_store, wait_for_writers
 from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
                                        fsync_file, set_aside, set_aside_earlier, tag_for,
                                        write_atomic)
@@ -67,9 +71,14 @@ class FileLedger:
 
 class CheckpointWriter:
     def __init__(self, engine, ckpt_dir: Path, topology, keep_last: int = 0,
-                 asynchronous: bool = False, timeout_s: int = 600):
-        """`topology`: the run's (this rank's place)."""
+                 asynchronous: bool = False, timeout_s: int = 600, snapshot: bool = True):
+        """`topology`: the run's (this rank's place); `timeout_s`: how long a rank's writes may
+        make no progress before the save fails; `snapshot`: an asynchronous save writes from a
+        copy in host memory (else from the live tensors, waiting before the next update)."""
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), topology.rank
+        self.world, self.stall_s, self.snapshot = topology.world, timeout_s, snapshot
+        self._saves = 0  # numbers each save's namespace in the job's store (same on every rank)
+        self._buffers = SnapshotBuffers() if asynchronous and snapshot else None
         self.layout = {"world": topology.world, "tensor": topology.tensor,
                        "pipeline": topology.pipeline, "zero_stage": engine.zero_optimization_stage()}
         self.keep_last, self.asynchronous = keep_last, asynchronous
@@ -111,22 +120,24 @@ class CheckpointWriter:
         finally:
             writes = self.ledger.take()
         copied = nvme_offload.saved_swap_files(self.engine, staging / tag)  # zero3_nvme's
-        # Ours is written now, in either mode: it is small, and the callbacks' state in it
-        # (EMA weights) changes after every step, not only at the optimizer's.
-        state_path = staging / tag / STATE_FILE.format(rank=rank)
-        failure = _written(lambda: torch.save(state, state_path), state_path)
         position = (step, int(state.get("consumed_samples", 0)))
+        state_path = str(staging / tag / STATE_FILE.format(rank=rank))
+        if self.asynchronous and self.snapshot:  # everything copied; the loop goes on at once
+            writes = host_snapshot([*writes, (state, state_path)], buffers=self._buffers)
+        else:  # ours on the host, copied when written behind the loop: the callbacks' state
+            # in it (EMA weights) changes after every step, not only at the optimizer's
+            writes.append((host_snapshot(state, clone_cpu=self.asynchronous), state_path))
         if not self.asynchronous:
-            failure = failure or self._write(writes)
-            path = self.publish(tag, [Path(p) for _, p in writes] + [state_path] + copied,
-                                failure=failure, position=position)
+            path = self.publish(tag, [], writes=writes, copied=copied, position=position)
             return step, path, time.perf_counter() - t0
-        self._writes_done.clear()
+        if self.snapshot:
+            self._writes_done.set()  # the weights may change at once
+        else:
+            self._writes_done.clear()
         self._error = None
         self._pending = (step, self.ckpt_dir / tag)
         self._thread = threading.Thread(target=self._write_and_commit,
-                                        args=(tag, writes, [state_path, *copied], failure,
-                                              position),
+                                        args=(tag, writes, copied, position),
                                         name=f"dr_scale checkpoint {tag}", daemon=True)
         self._thread.start()
         self._blocked_s = time.perf_counter() - t0
@@ -185,38 +196,51 @@ class CheckpointWriter:
                 return failure
         return None
 
-    def _write_and_commit(self, tag: str, writes: list, written: List[Path],
-                          failure: Optional[str], position: tuple):
+    def _write_and_commit(self, tag: str, writes: list, copied: List[Path], position: tuple):
         try:
-            try:
-                failure = failure or self._write(writes)
-                paths = [Path(p) for _, p in writes] + written
-                del writes  # the references to the live tensors
-            finally:
-                self._writes_done.set()
-            self.publish(tag, paths, group=self.group, failure=failure, position=position)
+            self.publish(tag, [], writes=writes, copied=copied, group=self.group,
+                         position=position, after_writes=self._writes_done.set)
         except BaseException as e:  # noqa: BLE001 - reported to the loop at its next wait
             self._error = e
+        finally:
+            self._writes_done.set()
 
-    def publish(self, tag: str, files: List[Path], group=None,
-                failure: Optional[str] = None, position: tuple = (0, 0)) -> Path:
-        """Each rank fsyncs and checksums what it wrote; when every rank confirms, rank 0
-        writes the manifest (manifest.py) and publishes. `failure`: this rank could not write
-        its files (the line says why); `position`: (step, samples consumed)."""
-        ok = torch.tensor([0.0 if failure else 1.0])
-        failed = failure or ""
+    def publish(self, tag: str, files: List[Path], group=None, failure: Optional[str] = None,
+                position: tuple = (0, 0), writes: Optional[list] = None,
+                copied: List[Path] = (), after_writes=None) -> Path:
+        """Each rank writes `writes` (state dicts and paths), fsyncs and checksums what it wrote
+        (`files` written before, `copied`, and those), reporting its progress; when every rank
+        is done and confirms, rank 0 writes the manifest (manifest.py) and publishes.
+        `failure`: this rank could not write its files (the line says why); `position`:
+        (step, samples consumed); `after_writes`: called once the state dicts are written (the
+        live tensors free to change)."""
         staging, final = self.ckpt_dir / STAGING, self.ckpt_dir / tag
+        writes = writes if writes is not None else []
+        files = [*map(Path, files), *(Path(p) for _, p in writes), *map(Path, copied)]
+        self._saves += 1
+        store = job_store(f"dr_scale_checkpoint/{self._saves}/") if self.world > 1 else None
+        ok = torch.tensor([1.0])
         described = {}
-        try:
-            for f in [] if failure else files:
-                fsync_file(f)
-            for d in [] if failure else sorted({f.parent for f in files}):
-                fsync_dir(d)  # their names too (zero3_nvme's swap files have a folder a rank)
-            if not failure:  # read back from the page cache, on every rank at once
-                described = manifest.describe(files, staging / tag)
-        except OSError as e:
+        with WriteProgress(store, self.rank, files) as progress:
+            failure = failure or self._write(writes)
+            if after_writes is not None:
+                after_writes()
+            writes.clear()  # the caller's list too: its tensors (live ones, or a snapshot's) go
+            try:
+                for f in [] if failure else files:
+                    fsync_file(f)
+                    progress.advance()
+                for d in [] if failure else sorted({f.parent for f in files}):
+                    fsync_dir(d)  # their names too (zero3_nvme's swap files: a folder a rank)
+                if not failure:  # read back from the page cache, on every rank at once
+                    described = manifest.describe(files, staging / tag)
+            except OSError as e:
+                failure = f"{e.filename}: {e.strerror}"
+        if failure:
             ok.zero_()
-            failed = f"{e.filename}: {e.strerror}"
+        failed = failure or ""
+        if store is not None:  # the collective below starts when every rank is done
+            wait_for_writers(store, self.world, f"checkpoint {tag}", self.stall_s)
         comm.all_reduce(ok, op="min", group=group)
         if not ok.item():
             raise DrScaleError(f"checkpoint {tag}: " + (failed or "another rank could not write "

@@ -47,7 +47,7 @@ class Trainer:
         self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
         self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints", topology,
                                        cfg.train.keep_checkpoints, cfg.train.async_save,
-                                       cfg.train.collective_timeout_s)
+                                       cfg.train.collective_timeout_s, cfg.train.async_snapshot)
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
