@@ -101,7 +101,7 @@ def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed
     if WORKERS > 1:  # ... of this worker's cores
         env["DR_SCALE_THREADS_PER_RANK"] = str(launched_threads(ranks))
     cmd = [sys.executable, str(PRETRAIN), *map(str, args)]
-    if launcher == "deepspeed" and ranks > 1:
+    if launcher == "deepspeed":
         code, out, err = spawn_ranks(cmd, ranks, env, timeout)
     else:
         code, out, err = run_group(cmd, env, timeout)
@@ -114,54 +114,124 @@ def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed
     return proc
 
 
+class RankStarter:
+    """This test worker's fork server of ranks (tests/scripts/rank_zygote.py: imports paid once
+    per worker, not per rank). `start` returns a rank's (id, pid); `poll` by id its exit status
+    once it has ended (as subprocess reports it), else None."""
+
+    _one = None
+
+    @classmethod
+    def get(cls) -> "RankStarter":
+        if cls._one is None or cls._one.proc.poll() is not None:
+            cls._one = cls()
+        return cls._one
+
+    def __init__(self):
+        import json
+        import threading
+
+        env = dict(os.environ)
+        env.pop("OMP_NUM_THREADS", None)  # each rank sets its threads (process_group.py)
+        self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "scripts" /
+                                                                "rank_zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=ROOT, start_new_session=True)
+        self.cond, self.started, self.exited, self.next_id = threading.Condition(), {}, {}, 0
+        self._json = json
+
+        def read():
+            for line in self.proc.stdout:
+                message = json.loads(line)
+                with self.cond:
+                    if "started" in message:
+                        self.started[message["started"]] = message["pid"]
+                    else:
+                        self.exited[message["exited"]] = message["code"]
+                    self.cond.notify_all()
+            with self.cond:
+                self.cond.notify_all()
+        threading.Thread(target=read, daemon=True).start()
+
+    def start(self, argv, env, out: str, err: str, group: int = 0) -> int:
+        with self.cond:
+            self.next_id += 1
+            ident = self.next_id
+            self.proc.stdin.write(self._json.dumps(
+                {"id": ident, "argv": argv, "cwd": str(ROOT), "env": env, "out": out,
+                 "err": err, "group": group}) + "\n")
+            self.proc.stdin.flush()
+            if not self.cond.wait_for(lambda: ident in self.started or
+                                      self.proc.poll() is not None, timeout=60):
+                raise AssertionError("the rank fork server did not start a rank in 60 s")
+            if ident not in self.started:
+                raise AssertionError(f"the rank fork server ended ({self.proc.returncode})")
+            return ident, self.started.pop(ident)
+
+    def poll(self, ident: int):
+        with self.cond:
+            return self.exited.get(ident)
+
+    def wait(self, ident: int, timeout: float):
+        with self.cond:
+            self.cond.wait_for(lambda: ident in self.exited, timeout=timeout)
+            return self.exited.get(ident)
+
+
 def spawn_ranks(cmd, ranks: int, env, timeout):
     """`cmd` as `ranks` local ranks with the environment DeepSpeed's launcher gives each
     (deepspeed/launcher/launch.py: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK/SIZE,
-    MASTER_ADDR/PORT and `--local_rank=N`), and its rule for failures: the first rank to exit
-    non-zero ends the others (SIGTERM, SIGKILL 30 s later) and its code is the launch's. All ranks
-    share one process group, so a timeout kills them and anything they started. Returns (code or
-    None on timeout, stdout, stderr), each stream the ranks' lines interleaved as they came."""
+    MASTER_ADDR/PORT and `--local_rank=N`; one rank: `python pretrain.py args` as is), forked by
+    this worker's `RankStarter`, and DeepSpeed's launcher's rule for failures: the first rank to
+    exit non-zero ends the others (SIGTERM, SIGKILL 30 s later) and its code is the launch's.
+    All ranks share one process group, so a timeout kills them and anything they started.
+    Returns (code or None on timeout, stdout, stderr), each stream the ranks' lines interleaved
+    as they came."""
     port = str(free_port())
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = []
+    starter = RankStarter.get()
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+        ranks_started = []  # (id, pid)
         for rank in range(ranks):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                            LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            group = procs[0].pid if procs else 0  # 0: a new group, led by rank 0
-            procs.append(subprocess.Popen([cmd[0], "-u", cmd[1], f"--local_rank={rank}", *cmd[2:]],
-                                          env=rank_env, stdout=out, stderr=err, text=True,
-                                          process_group=group))
+            rank_env, argv = dict(env), [cmd[1], *cmd[2:]]
+            if ranks > 1:
+                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                                LOCAL_SIZE=str(ranks), CROSS_RANK="0", CROSS_SIZE="1",
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                argv = [cmd[1], f"--local_rank={rank}", *cmd[2:]]
+            group = ranks_started[0][1] if ranks_started else 0  # 0: a new one, led by rank 0
+            ranks_started.append(starter.start(argv, rank_env, out, err, group=group))
         deadline, code = time.monotonic() + timeout, 0
-        while code == 0 and any(p.poll() is None for p in procs):
+        while True:
+            codes = [starter.poll(ident) for ident, _ in ranks_started]
+            code = next((c for c in codes if c), 0)
+            if code or all(c is not None for c in codes):
+                break
             if time.monotonic() > deadline:
                 code = None
                 break
-            code = next((p.returncode for p in procs if p.returncode), 0)
-            time.sleep(0.1)
-        code = next((p.returncode for p in procs if p.returncode), 0) if code == 0 else code
+            time.sleep(0.05)
         if code != 0:
-            _end_group(procs, hard=code is None)
-        out.seek(0), err.seek(0)
-        return code, out.read(), err.read()
+            _end_ranks(starter, ranks_started, hard=code is None)
+        read = lambda path: open(path).read() if os.path.exists(path) else ""  # noqa: E731
+        return code, read(out), read(err)
 
 
-def _end_group(procs, hard: bool):
+def _end_ranks(starter, ranks_started, hard: bool):
     """SIGTERM (or, after a timeout, SIGKILL) every process in the ranks' group; SIGKILL what is
     left 30 s after a SIGTERM, as DeepSpeed's launcher does."""
+    group = ranks_started[0][1]
     try:
-        os.killpg(procs[0].pid, signal.SIGKILL if hard else signal.SIGTERM)
+        os.killpg(group, signal.SIGKILL if hard else signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + 30
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+    for ident, _ in ranks_started:
+        starter.wait(ident, max(0.0, deadline - time.monotonic()))
     try:
-        os.killpg(procs[0].pid, signal.SIGKILL)
+        os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    for p in procs:
-        p.wait()
+    for ident, _ in ranks_started:
+        starter.wait(ident, 30)
+
