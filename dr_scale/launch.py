@@ -21,7 +21,7 @@ from dr_scale.export.hf import load_into
 from dr_scale.models.build import with_tokenizer_vocab
 from dr_scale.models.kernel_choice import select_kernels
 from dr_scale.parallel.parallelize import parallelize
-from dr_scale.parallel.sharded_build import build_for_run
+from dr_scale.parallel.sharded_build import LOADED_LATER, build_for_run
 from dr_scale.plan import RunPlan, check, start_group
 from dr_scale.train import hangs, host_memory
 from dr_scale.train.engine import check_precision, initialize_engine
@@ -48,13 +48,16 @@ def run(plan: RunPlan):
     torch.manual_seed(plan.cfg.train.seed)
     if plan.cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
         host_memory.give_large_blocks_pages_of_their_own()
-    model = build_for_run(shape, group.ds, group.topology)  # ZeRO-3: sharded; TP or PP: on meta
     initial = None if resume else plan.init_weights  # on resume the checkpoint's weights win
+    # ZeRO-3: sharded; TP or PP: on meta; nothing drawn where a checkpoint or init_from fills it
+    model = build_for_run(shape, group.ds, group.topology,
+                          draw=not resume and initial is None)
     if initial is not None:
         load_into(model, initial, plan.cfg.model.init_from)  # on meta: checked only
     facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.batch_sizes,
                       group.topology)
-    parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds, initial)  # parallel
+    parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds,  # parallel
+                           LOADED_LATER if resume else initial)
     if group.topology.rank == 0:
         write_run_snapshot(plan, group, parallel.ds, shape, facts, sources)
     comm.barrier()

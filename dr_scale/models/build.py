@@ -148,12 +148,19 @@ def with_tokenizer_vocab(shape: ModelShape, cfg, tokenizer_vocab: int, topo) -> 
                                    topo.head_slices(cfg.parallel.vocab_parallel))
 
 
-def build_model(shape: ModelShape, device: Optional[str] = None) -> torch.nn.Module:
+def build_model(shape: ModelShape, device: Optional[str] = None,
+                draw: bool = True) -> torch.nn.Module:
     """The plain nn.Module with its initial values (models/layers.py init_weights); on
-    device="meta", its structure only (counting, estimates, sharded builds)."""
+    device="meta", its structure only (counting, estimates, sharded builds). `draw=False`: zeros,
+    for values a checkpoint or init_from folder supplies next."""
     model = construct(shape, device)
     if device != "meta":
-        initialize(model, shape)
+        if draw:
+            initialize(model, shape)
+        else:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.zero_()
     return model
 
 

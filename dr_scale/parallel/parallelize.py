@@ -66,7 +66,8 @@ def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
 
 def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
                 weights=None) -> Parallelized:
-    """`weights`: the init_from folder's (HFWeights) for a model built on meta, or None."""
+    """`weights`: the init_from folder's (HFWeights) for a model built on meta, LOADED_LATER on a
+    resume (zeros, the checkpoint's values come next), or None (the initial values)."""
     p = cfg.parallel
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
     mpu = None  # (1, the refusals: `refusals`, run once in the plan before the process group)

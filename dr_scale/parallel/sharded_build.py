@@ -14,7 +14,9 @@
 - Otherwise every rank builds the whole model (it keeps all of it anyway).
 
 Every way gives each parameter the same values from the same seed: each tensor draws from a
-generator of its own (models/layers.py initial_value).
+generator of its own (models/layers.py initial_value). Nothing is drawn where a checkpoint or an
+init_from folder supplies the values next (`draw=False`, LOADED_LATER): a requeued 70B job would
+otherwise draw the whole model again on every rank before loading over it.
 """
 import os
 
@@ -28,13 +30,16 @@ from dr_scale.models.layers import initial_rules, initial_value
 from dr_scale.parallel.topology import Topology
 
 ORIGIN = "dr_origin"  # attribute of a parameter built on meta: (name, whole shape, initial rule)
+LOADED_LATER = "loaded later"  # `materialize`'s weights: zeros, a checkpoint's values come next
 
 
 def builds_sharded(ds: dict, topo: Topology) -> bool:
     return dsc.zero_stage(ds) == 3 and not topo.builds_on_meta
 
 
-def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
+def build_for_run(shape, ds: dict, topo: Topology, draw: bool = True) -> nn.Module:
+    """`draw=False`: parameters zero, not drawn (a checkpoint or init_from supplies them); a
+    model built on meta is made real later, by `materialize`."""
     if topo.builds_on_meta:
         model = build_model(shape, device="meta")
         for name, rule in initial_rules(model, shape.init_std, shape.num_layers).items():
@@ -42,7 +47,7 @@ def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
             setattr(param, ORIGIN, (name, tuple(param.shape), rule))
         return model
     if not builds_sharded(ds, topo):
-        return build_model(shape)
+        return build_model(shape, draw=draw)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -52,7 +57,12 @@ def build_for_run(shape, ds: dict, topo: Topology) -> nn.Module:
     # are set after it has closed, a parameter gathered whole at a time.
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = construct(shape)
-    initialize(model, shape)
+    if draw:
+        initialize(model, shape)
+    else:  # each rank's own partition, no gathering
+        with torch.no_grad():
+            for param in model.parameters():
+                param.ds_tensor.zero_()
     # computed buffers (CPU, fp32) go where zero.Init put the parameters (its local_device);
     # the engine moves the buffers of a model built otherwise, but not of a zero.Init one
     local_rank = os.environ.get("LOCAL_RANK", "0")
@@ -86,7 +96,7 @@ def zero3_partitioner(ds: dict, mpu):
 def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> int:
     """Make every parameter and buffer of `module` (this rank's stage and slices of a model built
     on meta) real on the CPU: its initial value, or `weights`'s (an export.safetensors_folder
-    .HFWeights, by the model's parameter names), this rank's slice of it, in `dtype` (the
+    .HFWeights, by the model's parameter names), this rank's slice of it (zeros where `weights` is LOADED_LATER), in `dtype` (the
     training precision: DeepSpeed would cast it so, and the fp32 copy is never held). Modules are
     visited children first; `partition(owner)`, where given, runs on each module whose own
     parameters were just made (zero3_partitioner). Returns the number of elements made."""
@@ -97,10 +107,13 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
             if not param.is_meta:  # a tied weight, made through its other owner
                 continue
             name, whole_shape, rule = getattr(param, ORIGIN)
-            whole = initial_value(rule, whole_shape, name) if weights is None \
-                else weights.read(name)
-            part = torch.empty(param.shape, dtype=dtype or param.dtype)
-            part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
+            if weights is LOADED_LATER:
+                part = torch.zeros(param.shape, dtype=dtype or param.dtype)
+            else:
+                whole = initial_value(rule, whole_shape, name) if weights is None \
+                    else weights.read(name)
+                part = torch.empty(param.shape, dtype=dtype or param.dtype)
+                part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
             made_here += part.numel()
             # A meta parameter cannot take CPU data (set_data refuses the device change), so
             # the parameter object itself is swapped: every module sharing it (tied weights,
