@@ -1,6 +1,5 @@
 """Building blocks shared by the decoders: norms, rotary tables, attention block, MLPs."""
 import contextlib
-import hashlib
 import math
 
 import torch
@@ -10,6 +9,8 @@ import torch.nn.functional as F
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import ops, reference
 from dr_scale.kernels.registry import implementation
+from dr_scale.models.initial_values import (initial_value, initial_values,
+                                            zero3_partition_range)
 
 
 class RMSNorm(nn.Module):
@@ -180,38 +181,35 @@ def _rule(module_name: str, module: nn.Module, attr: str, std: float, out_std: f
     raise TypeError(f"no initial value for {module_name}.{attr} ({type(module).__name__})")
 
 
-def initial_value(rule: tuple, shape, name: str) -> torch.Tensor:
-    """The parameter `name`'s initial value, whole, in fp32 on the CPU (device and dtype
-    explicit: a default dtype or device set elsewhere does not reach it). Its random draws come
-    from a generator of its own, seeded by the global seed (torch.manual_seed) and its name: a
-    rank that builds only some tensors, or slices of them (tensor- and pipeline-parallel builds,
-    parallel/sharded_build.py), gets the values an unsharded build gets, and so does a build on
-    another device."""
-    if rule[0] in ("zeros", "ones"):
-        return torch.full(shape, 0.0 if rule[0] == "zeros" else 1.0, dtype=torch.float32,
-                          device="cpu")
-    digest = hashlib.blake2b(f"{torch.initial_seed()}:{name}".encode(), digest_size=8).digest()
-    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
-    return torch.normal(0.0, rule[1], size=tuple(shape), generator=generator,
-                        dtype=torch.float32, device="cpu")
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, std: float, num_layers: int):
-    """Every parameter set to its initial value (initial_rules, initial_value). Under ZeRO-3's
-    sharded construction each tensor is gathered whole for it, one at a time (`whole`); this runs
-    after zero.Init has closed (parallel/sharded_build.py), where torch's constructors are
-    torch's again."""
+    """Every parameter set to its initial value (initial_rules; models/initial_values.py). Under
+    ZeRO-3's sharded construction each rank fills its own partition and nothing is gathered
+    (parameters offloaded to NVMe aside: gathered whole, one at a time, `whole`); this runs after
+    zero.Init has closed (parallel/sharded_build.py), where torch's constructors are torch's
+    again."""
     for name, rule in initial_rules(model, std, num_layers).items():
         param = model.get_parameter(name)
+        if hasattr(param, "ds_id") and not _on_nvme(param):
+            start, count = zero3_partition_range(param)
+            part = param.ds_tensor
+            part.narrow(0, 0, count).copy_(initial_values(rule, name, start, count))
+            part.narrow(0, count, part.numel() - count).zero_()  # the padding
+            continue
         with whole(param):
             param.data.copy_(initial_value(rule, param.shape, name))
+
+
+def _on_nvme(param) -> bool:
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    return getattr(param.ds_tensor, "final_location", None) == OffloadDeviceEnum.nvme
 
 
 def whole(param: nn.Parameter):
     """The parameter whole inside the block, and written back to every rank's shard after it,
     where ZeRO-3's zero.Init has partitioned it (rank 0's values win; every rank draws the same
-    ones from the same seed, which keeps the random streams in step); as it is otherwise."""
+    ones); as it is otherwise."""
     if not hasattr(param, "ds_id"):
         return contextlib.nullcontext()
     import deepspeed

@@ -4,7 +4,7 @@
   `zero.Init`: each submodule's parameters are cast to the training precision and partitioned
   across the data-parallel ranks as soon as that submodule exists, so a rank holds one module
   whole at most while building, then its 1/N shard. The values are set after zero.Init has
-  closed, one parameter gathered whole at a time.
+  closed, each rank drawing its own partition's only.
 - Tensor or pipeline parallelism: the model is built on the meta device (nothing allocated),
   cut into this rank's pipeline stage and split into its tensor-parallel slices there
   (parallel/parallelize.py), and only then made real by `materialize`: each parameter left on
@@ -13,8 +13,8 @@
   tensor while it is cut.
 - Otherwise every rank builds the whole model (it keeps all of it anyway).
 
-Every way gives each parameter the same values from the same seed: each tensor draws from a
-generator of its own (models/layers.py initial_value). Nothing is drawn where a checkpoint or an
+Every way gives each parameter the same values from the same seed: element i of a tensor is
+the same number whoever draws it (models/initial_values.py). Nothing is drawn where a checkpoint or an
 init_from folder supplies the values next (`draw=False`, LOADED_LATER): a requeued 70B job would
 otherwise draw the whole model again on every rank before loading over it.
 """
@@ -26,7 +26,8 @@ from torch import nn
 from dr_scale.config import ds_config as dsc
 from dr_scale.models import build_model
 from dr_scale.models.build import construct, initialize
-from dr_scale.models.layers import initial_rules, initial_value
+from dr_scale.models.initial_values import initial_value, initial_values
+from dr_scale.models.layers import initial_rules
 from dr_scale.parallel.topology import Topology
 
 ORIGIN = "dr_origin"  # attribute of a parameter built on meta: (name, whole shape, initial rule)
@@ -107,12 +108,17 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
             if not param.is_meta:  # a tied weight, made through its other owner
                 continue
             name, whole_shape, rule = getattr(param, ORIGIN)
+            part = torch.empty(param.shape, dtype=dtype or param.dtype)
             if weights is LOADED_LATER:
-                part = torch.zeros(param.shape, dtype=dtype or param.dtype)
+                part.zero_()
+            elif weights is None and (rows := _leading_rows(owner, whole_shape,
+                                                            tuple(param.shape))) is not None:
+                # a slice of whole rows is one range of the flat order: only it is drawn
+                row = part.numel() // part.shape[0]
+                part.view(-1).copy_(initial_values(rule, name, rows * row, part.numel()))
             else:
                 whole = initial_value(rule, whole_shape, name) if weights is None \
                     else weights.read(name)
-                part = torch.empty(param.shape, dtype=dtype or param.dtype)
                 part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
             made_here += part.numel()
             # A meta parameter cannot take CPU data (set_data refuses the device change), so
@@ -130,6 +136,20 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
             partition(owner)
         made += made_here
     return made
+
+
+def _leading_rows(owner: nn.Module, whole_shape: tuple, shape: tuple):
+    """The first row this rank's slice holds where it is cut along the first dimension (whole
+    rows: column-parallel and vocabulary-parallel layers), 0 where it is the whole tensor, else
+    None."""
+    if not shape:
+        return None
+    if tuple(whole_shape) == shape:
+        return 0
+    split = [d for d, (a, b) in enumerate(zip(whole_shape, shape)) if a != b]
+    if split != [0] or not hasattr(owner, "_partition_sizes"):
+        return None
+    return sum(list(owner._partition_sizes)[:owner.tp_index])
 
 
 def _this_ranks_slice(owner: nn.Module, whole: torch.Tensor, shape: tuple, name: str):
