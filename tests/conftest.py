@@ -94,8 +94,10 @@ def launch(args, ranks: int, cache, timeout=300, check=True, launcher="deepspeed
     launcher starts them (`spawn_ranks`) rather than through it: its two interpreters (runner,
     then per-node launch, each importing DeepSpeed) cost ~7 s of a core a launch, a third of a
     short 2-rank run, and the launcher forms have tests of their own (the README's main job,
-    launchers and nodes, the installed module, the signal and crash tests). One rank starts as
-    `python pretrain.py` either way."""
+    launchers and nodes, the installed module, the signal and crash tests). The ranks are forked
+    from this worker's `RankStarter`, which has imported torch and DeepSpeed once;
+    launcher="python" starts `python pretrain.py` as a fresh interpreter (the one-line error
+    tests)."""
     env = dict(os.environ, DR_SCALE_CACHE=str(cache), PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)  # threads per rank: cores / ranks, whatever the shell has
     if WORKERS > 1:  # ... of this worker's cores
