@@ -17,12 +17,14 @@ if WORKERS > 1:
     torch.set_num_threads(CORES_PER_WORKER)
     os.environ.setdefault("OMP_NUM_THREADS", str(CORES_PER_WORKER))
 
+import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -130,9 +132,6 @@ class RankStarter:
         return cls._one
 
     def __init__(self):
-        import json
-        import threading
-
         env = dict(os.environ)
         env.pop("OMP_NUM_THREADS", None)  # each rank sets its threads (process_group.py)
         self.proc = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "scripts" /
@@ -140,7 +139,6 @@ class RankStarter:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=ROOT, start_new_session=True)
         self.cond, self.started, self.exited, self.next_id = threading.Condition(), {}, {}, 0
-        self._json = json
 
         def read():
             for line in self.proc.stdout:
@@ -155,11 +153,11 @@ class RankStarter:
                 self.cond.notify_all()
         threading.Thread(target=read, daemon=True).start()
 
-    def start(self, argv, env, out: str, err: str, group: int = 0) -> int:
+    def start(self, argv, env, out: str, err: str, group: int = 0) -> tuple:
         with self.cond:
             self.next_id += 1
             ident = self.next_id
-            self.proc.stdin.write(self._json.dumps(
+            self.proc.stdin.write(json.dumps(
                 {"id": ident, "argv": argv, "cwd": str(ROOT), "env": env, "out": out,
                  "err": err, "group": group}) + "\n")
             self.proc.stdin.flush()

@@ -14,9 +14,9 @@
 - Otherwise every rank builds the whole model (it keeps all of it anyway).
 
 Every way gives each parameter the same values from the same seed: element i of a tensor is
-the same number whoever draws it (models/initial_values.py). Nothing is drawn where a checkpoint or an
-init_from folder supplies the values next (`draw=False`, LOADED_LATER): a requeued 70B job would
-otherwise draw the whole model again on every rank before loading over it.
+the same number whoever draws it (models/initial_values.py). Nothing is drawn where a checkpoint
+or an init_from folder supplies the values next (`draw=False`, LOADED_LATER): a requeued 70B job
+would otherwise draw the whole model again on every rank before loading over it.
 """
 import os
 
@@ -55,7 +55,7 @@ def build_for_run(shape, ds: dict, topo: Topology, draw: bool = True) -> nn.Modu
     # While zero.Init is open, every floating tensor torch's constructors make is cast to the
     # training dtype and put on the accelerator, whatever dtype and device are asked for. Only
     # the structure is made inside it; the values (random draws from CPU generators, in fp32)
-    # are set after it has closed, a parameter gathered whole at a time.
+    # are set after it has closed, each rank drawing its own partition's.
     with deepspeed.zero.Init(config_dict_or_path=ds):
         model = construct(shape)
     if draw:
@@ -97,8 +97,9 @@ def zero3_partitioner(ds: dict, mpu):
 def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> int:
     """Make every parameter and buffer of `module` (this rank's stage and slices of a model built
     on meta) real on the CPU: its initial value, or `weights`'s (an export.safetensors_folder
-    .HFWeights, by the model's parameter names), this rank's slice of it (zeros where `weights` is LOADED_LATER), in `dtype` (the
-    training precision: DeepSpeed would cast it so, and the fp32 copy is never held). Modules are
+    .HFWeights, by the model's parameter names), this rank's slice of it (zeros where `weights`
+    is LOADED_LATER), in `dtype` (the training precision: DeepSpeed would cast it so, and the
+    fp32 copy is never held). Modules are
     visited children first; `partition(owner)`, where given, runs on each module whose own
     parameters were just made (zero3_partitioner). Returns the number of elements made."""
     made = 0
@@ -109,17 +110,17 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
                 continue
             name, whole_shape, rule = getattr(param, ORIGIN)
             part = torch.empty(param.shape, dtype=dtype or param.dtype)
+            dim, first = _this_ranks_slice(owner, whole_shape, tuple(param.shape), name)
             if weights is LOADED_LATER:
                 part.zero_()
-            elif weights is None and (rows := _leading_rows(owner, whole_shape,
-                                                            tuple(param.shape))) is not None:
-                # a slice of whole rows is one range of the flat order: only it is drawn
-                row = part.numel() // part.shape[0]
-                part.view(-1).copy_(initial_values(rule, name, rows * row, part.numel()))
+            elif weights is None and dim in (None, 0):
+                # the whole tensor or whole rows: one range of the flat order, only it drawn
+                row = part[0].numel() if part.dim() else 1
+                part.view(-1).copy_(initial_values(rule, name, first * row, part.numel()))
             else:
                 whole = initial_value(rule, whole_shape, name) if weights is None \
                     else weights.read(name)
-                part.copy_(_this_ranks_slice(owner, whole, tuple(param.shape), name))
+                part.copy_(whole if dim is None else whole.narrow(dim, first, part.shape[dim]))
             made_here += part.numel()
             # A meta parameter cannot take CPU data (set_data refuses the device change), so
             # the parameter object itself is swapped: every module sharing it (tied weights,
@@ -138,27 +139,14 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
     return made
 
 
-def _leading_rows(owner: nn.Module, whole_shape: tuple, shape: tuple):
-    """The first row this rank's slice holds where it is cut along the first dimension (whole
-    rows: column-parallel and vocabulary-parallel layers), 0 where it is the whole tensor, else
-    None."""
-    if not shape:
-        return None
+def _this_ranks_slice(owner: nn.Module, whole_shape: tuple, shape: tuple, name: str):
+    """Where the part AutoTP's layer `owner` keeps on this rank starts: (the dimension split by
+    the layer's partition sizes, this rank's first index along it, by its tp_index), or
+    (None, 0) for the whole tensor."""
     if tuple(whole_shape) == shape:
-        return 0
+        return None, 0
     split = [d for d, (a, b) in enumerate(zip(whole_shape, shape)) if a != b]
-    if split != [0] or not hasattr(owner, "_partition_sizes"):
-        return None
-    return sum(list(owner._partition_sizes)[:owner.tp_index])
-
-
-def _this_ranks_slice(owner: nn.Module, whole: torch.Tensor, shape: tuple, name: str):
-    """The part of `whole` that AutoTP's layer `owner` keeps on this rank: one dimension split
-    by the layer's partition sizes, this rank's piece (its tp_index)."""
-    if tuple(whole.shape) == shape:
-        return whole
-    split = [d for d, (a, b) in enumerate(zip(whole.shape, shape)) if a != b]
     if len(split) != 1 or not hasattr(owner, "_partition_sizes"):
-        raise RuntimeError(f"{name}: cannot tell this rank's part of {tuple(whole.shape)} "
+        raise RuntimeError(f"{name}: cannot tell this rank's part of {tuple(whole_shape)} "
                            f"as {shape} ({type(owner).__name__})")
-    return whole.split(list(owner._partition_sizes), dim=split[0])[owner.tp_index]
+    return split[0], sum(list(owner._partition_sizes)[:owner.tp_index])

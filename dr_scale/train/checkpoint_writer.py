@@ -189,7 +189,8 @@ class CheckpointWriter:
 
     # -- the writing side ----------------------------------------------------------------------
     def _write(self, writes: list) -> Optional[str]:
-        """Write DeepSpeed's state dicts; the first failure as a line, else None."""
+        """Write the state dicts (DeepSpeed's and ours); the first failure as a line, else
+        None."""
         for state_dict, path in writes:
             failure = _written(lambda: self.ledger.inner.save(state_dict, path), path)
             if failure:
