@@ -26,6 +26,7 @@ from dr_scale.train.universal import repair_zero3_load
 
 STATE_FILE = "dr_scale_state_rank{rank}.pt"
 STAGING = ".incoming"
+REHEARSAL = ".rehearsal"  # checkpoint_writer.prepare_snapshot's: DeepSpeed makes folders there
 LATEST = "latest"
 _TAG = re.compile(r"^step_(\d{8})$")
 
@@ -232,7 +233,8 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
                 if written_for.get(k) != v]
         raise DrScaleError(f"{path}: checkpoint of another model shape: {', '.join(diff[:4])}")
     if rank == 0:
-        shutil.rmtree(ckpt_dir / STAGING, ignore_errors=True)  # leftovers of a crashed save
+        for leftover in (STAGING, REHEARSAL):  # of a crashed save
+            shutil.rmtree(ckpt_dir / leftover, ignore_errors=True)
     try:
         load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
     except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a bad file

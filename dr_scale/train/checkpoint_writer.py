@@ -43,7 +43,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.train import manifest
 from dr_scale.train.snapshot import SnapshotBuffers, host_snapshot
 from dr_scale.train.write_progress import WriteProgress, job_store, wait_for_writers
-from dr_scale.train.checkpoint import (LATEST, STAGING, STATE_FILE, complete_tags, fsync_dir,
+from dr_scale.train.checkpoint import (LATEST, REHEARSAL, STAGING, STATE_FILE, complete_tags, fsync_dir,
                                        fsync_file, set_aside, set_aside_earlier, tag_for,
                                        write_atomic)
 
@@ -79,6 +79,7 @@ class CheckpointWriter:
         self.world, self.stall_s, self.snapshot = topology.world, timeout_s, snapshot
         self._saves = 0  # numbers each save's namespace in the job's store (same on every rank)
         self._buffers = SnapshotBuffers() if asynchronous and snapshot else None
+        self._prepared = False  # prepare_snapshot has run
         self.layout = {"world": topology.world, "tensor": topology.tensor,
                        "pipeline": topology.pipeline, "zero_stage": engine.zero_optimization_stage()}
         self.keep_last, self.asynchronous = keep_last, asynchronous
@@ -122,6 +123,7 @@ class CheckpointWriter:
         copied = nvme_offload.saved_swap_files(self.engine, staging / tag)  # zero3_nvme's
         position = (step, int(state.get("consumed_samples", 0)))
         state_path = str(staging / tag / STATE_FILE.format(rank=rank))
+        self._prepared = True  # this save's snapshot leaves its buffers for the next
         if self.asynchronous and self.snapshot:  # everything copied; the loop goes on at once
             writes = host_snapshot([*writes, (state, state_path)], buffers=self._buffers)
         else:  # ours on the host, copied when written behind the loop: the callbacks' state
@@ -142,6 +144,26 @@ class CheckpointWriter:
         self._thread.start()
         self._blocked_s = time.perf_counter() - t0
         return None
+
+    def prepare_snapshot(self, state: dict):
+        """Before the first asynchronous save: rehearse it (DeepSpeed builds its state dicts
+        through the ledger; nothing is written, the folder it made is removed) to learn the
+        sizes of the buffers its snapshot needs, and map them in a background thread. The
+        first save then waits for a copy only, as the later ones do. Not with NVMe offload:
+        DeepSpeed's save copies the swap files itself, and such runs keep no snapshot."""
+        if self._buffers is None or self._prepared or self.engine.zero_nvme_offload_optimizer():
+            return
+        self._prepared = True
+        rehearsal = self.ckpt_dir / REHEARSAL
+        self.ledger.take()
+        try:
+            self.engine.save_checkpoint(str(rehearsal), tag="rehearsal", save_latest=False,
+                                        client_state={"dr_scale_step": 0})
+        finally:
+            writes = self.ledger.take()
+        if self.rank == 0:  # DeepSpeed's save ends in a barrier: no rank uses the folder now
+            shutil.rmtree(rehearsal, ignore_errors=True)
+        self._buffers.prepare([*[state_dict for state_dict, _ in writes], state])
 
     def before_update(self):
         """Before the optimizer changes the weights and its state: this rank's files of an
