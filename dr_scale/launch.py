@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from dr_scale.runtime import comm, nvme_offload
+from dr_scale.runtime import comm, nvme_offload, warm_imports
 from dr_scale.config import ds_config as dsc
 from dr_scale.config.arguments import parse_args
 from dr_scale.data.prepare import prepare_data
@@ -33,6 +33,7 @@ from dr_scale.train.trainer import Trainer
 
 
 def run(plan: RunPlan):
+    warm_imports.start()  # the engine's imports, beside the rendezvous, data and build
     group = start_group(plan)                                                         # ranks
     check_precision(group.ds, plan.precision, plan.ds_path)
     offload_note = nvme_offload.prepare_dirs(group.ds, str(plan.ds_path))
@@ -69,6 +70,7 @@ def run(plan: RunPlan):
         logger.info(line)
     scheduler = None if "scheduler" in group.ds else \
         (lambda opt: build_scheduler(opt, plan.cfg.train))
+    warm_imports.finish()
     engine = initialize_engine(parallel.model, parallel.ds, plan.cfg.train, scheduler,  # engine
                                plan.ds_path, parallel.mpu)
     parallel.after_engine(engine)
