@@ -18,6 +18,7 @@ if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(CORES_PER_WORKER))
 
 import json  # noqa: E402
+import random  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -45,9 +46,24 @@ def cache_dir(tmp_path_factory):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port the kernel hands out (bind to 0)
+    can be handed again, before the rank binds it, to an outgoing connection (gloo's ranks of the
+    other test worker open many): seen once in CI as EADDRINUSE at the rendezvous. Ports below
+    ip_local_port_range are never given to outgoing connections."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # seeded from the OS: the test workers pick apart
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def run_rank_script(name: str, *args, timeout=300):
