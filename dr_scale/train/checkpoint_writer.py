@@ -43,9 +43,9 @@ from dr_scale.errors import DrScaleError
 from dr_scale.train import manifest
 from dr_scale.train.snapshot import SnapshotBuffers, host_snapshot
 from dr_scale.train.write_progress import WriteProgress, job_store, wait_for_writers
-from dr_scale.train.checkpoint import (LATEST, REHEARSAL, STAGING, STATE_FILE, complete_tags, fsync_dir,
-                                       fsync_file, set_aside, set_aside_earlier, tag_for,
-                                       write_atomic)
+from dr_scale.train.checkpoint import (LATEST, REHEARSAL, STAGING, STATE_FILE, complete_tags,
+                                       fsync_dir, fsync_file, set_aside, set_aside_earlier,
+                                       tag_for, write_atomic)
 
 
 class FileLedger:
