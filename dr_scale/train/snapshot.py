@@ -190,7 +190,7 @@ def host_snapshot(obj: Any, clone_cpu: bool = True,
 
 
 def _visit(x, on_tensor):
-    """Call `on_tensor` on every tensor (not on meta ones) in the containers host_snapshot copies."""
+    """Call `on_tensor` on every tensor but meta ones in the containers host_snapshot copies."""
     if isinstance(x, torch.Tensor):
         if x.device.type != "meta":
             on_tensor(x)
