@@ -22,3 +22,18 @@ def test_warm_imports_import_in_a_thread_and_restore_the_switch_interval():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_overlapping_short_switch_intervals_restore_the_original():
+    """The import thread and the drawing threads shorten the interval at once: whichever ends
+    last restores it (the interval is the interpreter's)."""
+    from dr_scale.runtime.gil import SHORT_S, short_switch_interval
+
+    original = sys.getswitchinterval()
+    first, second = short_switch_interval(), short_switch_interval()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the first user ends before the second
+    assert abs(sys.getswitchinterval() - SHORT_S) < 1e-9  # kept in microseconds
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == original

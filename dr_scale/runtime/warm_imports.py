@@ -11,6 +11,8 @@ thread that needs a module another thread is importing waits for it.
 import threading
 from typing import Optional
 
+from dr_scale.runtime.gil import short_switch_interval
+
 WARMED = ("torch._dynamo",)
 
 _thread: Optional[threading.Thread] = None
@@ -32,18 +34,10 @@ def finish() -> None:
 
 def _import_all():
     import importlib
-    import sys
 
-    # The main thread's work here is short calls that leave the GIL (a draw of 65,536 values
-    # takes ~0.4 ms); at the default 5 ms switch interval it waits up to 5 ms for the GIL after
-    # each, and the overlap is lost. 0.1 ms while importing hands it back at once.
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
+    with short_switch_interval():  # the main thread's short calls get the GIL back at once
         for name in WARMED:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - the engine's own import reports it where it
                 pass           # matters
-    finally:
-        sys.setswitchinterval(interval)

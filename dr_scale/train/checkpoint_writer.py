@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -145,12 +145,14 @@ class CheckpointWriter:
         self._blocked_s = time.perf_counter() - t0
         return None
 
-    def prepare_snapshot(self, state: dict):
+    def prepare_snapshot(self, state: Callable[[], dict]):
         """Before the first asynchronous save: rehearse it (DeepSpeed builds its state dicts
         through the ledger; nothing is written, the folder it made is removed) to learn the
         sizes of the buffers its snapshot needs, and map them in a background thread. The
         first save then waits for a copy only, as the later ones do. Not with NVMe offload:
-        DeepSpeed's save copies the swap files itself, and such runs keep no snapshot."""
+        DeepSpeed's save copies the swap files itself, and such runs keep no snapshot.
+        `state`: makes our state (the trainer's state_dict), called only when it is needed:
+        this is asked after every step and does something once."""
         if self._buffers is None or self._prepared or self.engine.zero_nvme_offload_optimizer():
             return
         self._prepared = True
@@ -163,7 +165,7 @@ class CheckpointWriter:
             writes = self.ledger.take()
         if self.rank == 0:  # DeepSpeed's save ends in a barrier: no rank uses the folder now
             shutil.rmtree(rehearsal, ignore_errors=True)
-        self._buffers.prepare([*[state_dict for state_dict, _ in writes], state])
+        self._buffers.prepare([*[state_dict for state_dict, _ in writes], state()])
 
     def before_update(self):
         """Before the optimizer changes the weights and its state: this rank's files of an

@@ -200,7 +200,7 @@ class Trainer:
                 window_start = time.perf_counter()
             else:  # the first step's done: every state a save holds exists
                 with hangs.doing(f"step {self.step} preparing the asynchronous save's buffers"):
-                    self.writer.prepare_snapshot(self.state_dict())
+                    self.writer.prepare_snapshot(self.state_dict)
             hangs.now(f"step {self.step} stop-signal agreement")
             # every rank, every step: they stop at the same one, and see a save finish at one
             signal_name, written = signals.agreed(idle_here=self.writer.idle())
