@@ -204,11 +204,14 @@ def cmd_presets(a):
     from dr_scale.models import all_presets, build_model, resolve_shape
     from dr_scale.models.build import count_parameters, spec_of
 
-    print(f"{'preset':<12} {'arch':<6} {'params':>10} {'GFLOP/token @2048':>18}")
+    print(f"{'preset':<13} {'arch':<8} {'params':>10} {'active':>10} {'GFLOP/token @2048':>18}")
     for name in all_presets():
         shape = resolve_shape(load_config(overrides=[f"model.preset={name}"]).model)
+        spec = spec_of(shape.arch)
         n = count_parameters(build_model(shape, device="meta"))
-        print(f"{name:<12} {shape.arch:<6} {n / 1e6:>9.1f}M {spec_of(shape.arch).flops_per_token(shape, 2048) / 1e9:>18.2f}")
+        print(f"{name:<13} {shape.arch:<8} {n / 1e6:>9.1f}M "
+              f"{spec.active_parameters(shape, n) / 1e6:>9.1f}M "
+              f"{spec.flops_per_token(shape, 2048) / 1e9:>18.2f}")
 
 
 def cmd_estimate(a):

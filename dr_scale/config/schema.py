@@ -6,6 +6,20 @@ from dr_scale.config.typed import Section, field
 
 
 @dataclass
+class MoEConfig(Section):
+    # Any field set here overrides the preset's (models/moe.py MoEShape).
+    num_experts: Optional[int] = field(None, min=1, help="experts per MoE block")
+    top_k: Optional[int] = field(None, min=1, help="experts each token is routed to")
+    capacity_factor: Optional[float] = field(
+        None, min=0.0, help="an expert takes at most factor x tokens x top_k / experts of a "
+        "micro-batch's assignments, the rest dropped; null or 0: drop-free")
+    aux_loss_coeff: Optional[float] = field(None, min=0.0, help="load-balancing loss weight "
+                                            "(default 0.01)")
+    z_loss_coeff: Optional[float] = field(None, min=0.0, help="router z-loss weight "
+                                          "(default 0.001)")
+
+
+@dataclass
 class ModelConfig(Section):
     # A preset names the shape; any field set here overrides the preset's value.
     preset: str = field("tiny", help="a registered family's preset (`dr-scale presets`)")
@@ -38,6 +52,7 @@ class ModelConfig(Section):
     init_from: Optional[str] = field(None, help="Hugging Face folder to start from (a family "
                                      "whose ModelSpec has an HF format)")
     compile: bool = field(False, help="torch.compile each decoder block (regional compilation)")
+    moe: MoEConfig = field(factory=MoEConfig, help="mixture of experts (mixtral family)")
 
 
 @dataclass

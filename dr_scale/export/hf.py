@@ -7,6 +7,7 @@ family's `HFFormat.tensors` says how each of their tensors is made from ours and
 streams the copied ones and joins the others a tensor at a time.
 """
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -65,10 +66,15 @@ def write_weights(out: Path, source, shape: ModelShape, dtype=torch.float32,
         write_shards(out, entries, source.pieces, dtype, max_shard_bytes, progress)
         return
     theirs = {t.name: t for t in tensors(shape)}
+    stack = {}  # the last stacked tensor read, for its experts that follow it
 
     def pieces(name):
         t = theirs[name]
-        if t.join is None:
+        if t.index is not None:
+            if stack.get("name") != t.ours[0]:
+                stack.update(name=t.ours[0], tensor=source.tensor(t.ours[0]))
+            yield stack["tensor"][t.index].reshape(-1)
+        elif t.join is None:
             yield from source.pieces(t.ours[0])
         else:
             yield t.join([source.tensor(n) for n in t.ours]).reshape(-1)
@@ -79,7 +85,8 @@ def write_weights(out: Path, source, shape: ModelShape, dtype=torch.float32,
 class AdaptedWeights:
     """A folder's tensors under our names and layouts (what HFWeights offers: `shapes`,
     `read`), made from theirs by the family's `HFFormat.tensors`; a tensor of ours that comes
-    from a joined one of theirs is made whole, then cut where a slice is asked for."""
+    from a joined one of theirs is made whole, then cut where a slice is asked for; one stacked
+    from several of theirs (experts: `index`) is stacked whole, then cut."""
 
     def __init__(self, weights: HFWeights, tensors, our_shapes: dict):
         self.weights, self.folder = weights, weights.folder
@@ -91,7 +98,10 @@ class AdaptedWeights:
                 raise DrScaleError(f"{weights.file_of[t.name]}: {t.name} has shape "
                                    f"{weights.shapes[t.name]}, config.json makes it {t.shape}")
             for i, ours in enumerate(t.ours):
-                self.made_from[ours] = (t, i)
+                if t.index is not None:
+                    self.made_from.setdefault(ours, []).append(t)
+                else:
+                    self.made_from[ours] = (t, i)
                 self.shapes[ours] = our_shapes[ours]
         unknown = sorted(set(weights.shapes) - {t.name for t in tensors})
         if unknown:
@@ -99,6 +109,15 @@ class AdaptedWeights:
                                f"{', '.join(unknown[:3])})")
 
     def read(self, name: str, start: int = 0, end: int = None) -> torch.Tensor:
+        if isinstance(self.made_from[name], list):  # stacked from one tensor of theirs apiece
+            parts = sorted(self.made_from[name], key=lambda t: t.index)
+            if end is None and start == 0:
+                return torch.stack([self.weights.read(t.name) for t in parts])
+            each = math.prod(parts[0].shape)  # a slice (a ZeRO-3 partition): its experts only
+            first, last = start // each, (end - 1) // each
+            rows = torch.cat([self.weights.read(t.name).reshape(-1)
+                              for t in parts[first:last + 1]])
+            return rows[start - first * each:end - first * each]
         t, i = self.made_from[name]
         if t.split is None:
             return self.weights.read(t.name, start, end)
@@ -175,15 +194,24 @@ def apply_init_from(cfg):
     folder = Path(cfg.model.init_from).expanduser()
     fields, weights = read_folder(folder)
     for key, value in fields.items():
-        mine = getattr(cfg.model, key)
-        if mine is None:
-            setattr(cfg.model, key, value)
-        elif mine != value:
-            raise DrScaleError(f"model.{key}={mine} disagrees with {folder / CONFIG_FILE} "
-                               f"({value}); remove it from the config or pick another folder")
+        if key == "moe":  # a section of its own: field by field
+            for sub_key, sub_value in value.items():
+                _agree(cfg.model.moe, f"model.moe.{sub_key}", sub_key, sub_value, folder)
+        else:
+            _agree(cfg.model, f"model.{key}", key, value, folder)
     if cfg.data.tokenizer is None and tokenizer_file_in(folder) is not None:
         cfg.data.tokenizer = str(tokenizer_file_in(folder))
     return weights
+
+
+def _agree(section, dotted: str, key: str, value, folder: Path):
+    """A folder's value set where the config leaves it unset, else the two must agree."""
+    mine = getattr(section, key)
+    if mine is None:
+        setattr(section, key, value)
+    elif mine != value:
+        raise DrScaleError(f"{dotted}={mine} disagrees with {folder / CONFIG_FILE} ({value}); "
+                           "remove it from the config or pick another folder")
 
 
 def load_into(model, weights: HFWeights, source: str):

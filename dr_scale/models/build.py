@@ -8,6 +8,7 @@ import torch
 
 from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import init_weights
+from dr_scale.models.moe import MoEShape
 from dr_scale.models.rope_scaling import RopeScaling
 from dr_scale.models.spec import ModelSpec
 from dr_scale.kernels.registry import implementation
@@ -32,10 +33,12 @@ class ModelShape:
     init_std: float = 0.02
     loss_chunk_tokens: Optional[int] = None  # the fused LM head + loss (models/lm_head.py)
     rope_scaling: Optional[RopeScaling] = None  # a mapping is parsed (configs, run.json)
+    moe: Optional[MoEShape] = None  # experts (a mapping is parsed); None: a dense MLP
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling",
                            RopeScaling.parse(self.rope_scaling, "model.rope_scaling"))
+        object.__setattr__(self, "moe", MoEShape.parse(self.moe, "model.moe"))
 
     @property
     def head_dim(self) -> int:
@@ -72,7 +75,10 @@ class ModelShape:
         """The fields that decide the shape of the weights (a checkpoint must match them)."""
         keys = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "ffn_hidden_size", "vocab_size", "tie_embeddings")
-        return {k: getattr(self, k) for k in keys}
+        signature = {k: getattr(self, k) for k in keys}
+        if self.moe is not None:
+            signature["num_experts"] = self.moe.num_experts
+        return signature
 
 
 def spec_of(arch: str, source: str = "model") -> ModelSpec:
@@ -106,7 +112,9 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
     values = dict(presets[model_cfg.preset])
     for f in dataclasses.fields(ModelShape):
         v = getattr(model_cfg, f.name, None)
-        if v is not None and f.name != "vocab_size":
+        if f.name == "moe":
+            values["moe"] = moe_fields(values.get("moe"), v, source)
+        elif v is not None and f.name != "vocab_size":
             values[f.name] = v
     if tokenizer_vocab is not None:
         values["vocab_size"] = vocab_for(model_cfg, tokenizer_vocab, source)
@@ -120,6 +128,10 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
     if shape.num_heads % shape.num_kv_heads:
         raise DrScaleError(f"{source}.num_heads={shape.num_heads} is not a multiple of "
                            f"{source}.num_kv_heads={shape.num_kv_heads}")
+    if spec.experts != (shape.moe is not None):
+        raise DrScaleError(f"{source}.moe: the {shape.arch} family has " + (
+            f"a mixture of experts: set {source}.moe.num_experts" if spec.experts else
+            f"a dense MLP; expert settings need a mixture-of-experts preset (moe_tiny, ...)"))
     if spec.rotary and shape.head_dim % 2:
         raise DrScaleError(f"{source}: head dim {shape.head_dim} must be even for rotary embeddings")
     if shape.attention != "auto":  # auto is settled at start, once the device is known
@@ -128,6 +140,18 @@ def resolve_shape(model_cfg, tokenizer_vocab: Optional[int] = None, source="mode
         except DrScaleError as e:
             raise DrScaleError(f"{source}.attention: {e}") from None
     return shape
+
+
+def moe_fields(preset: Optional[dict], section, source: str) -> Optional[dict]:
+    """The experts: the preset's, with any model.moe field set in the config over them."""
+    given = {} if section is None else {k: v for k, v in section.to_dict().items()
+                                        if v is not None}
+    if not preset and not given:
+        return None
+    if not preset and "num_experts" not in given:
+        raise DrScaleError(f"{source}.moe: a dense preset given expert settings needs "
+                           f"{source}.moe.num_experts (or a mixture-of-experts preset)")
+    return {**(preset or {}), **given}
 
 
 def vocab_for(model_cfg, tokenizer_vocab: int, source="model") -> int:

@@ -170,6 +170,8 @@ def initial_rules(model: nn.Module, std: float, num_layers: int) -> dict:
 
 
 def _rule(module_name: str, module: nn.Module, attr: str, std: float, out_std: float):
+    if hasattr(module, "initial_rule"):  # a module of ours with parameters of its own
+        return module.initial_rule(attr, std, out_std)
     if attr == "bias":
         return ("zeros",)
     if isinstance(module, (RMSNorm, nn.LayerNorm)):

@@ -10,7 +10,7 @@ What reads which field:
                            MFU and HFU (train/start.py), `dr-scale presets`
     activation_bytes_per_token_layer
                            the memory estimate (parallel/estimate.py)
-    rotary                 shape checks
+    rotary, experts        shape checks
     sequence_parallel      parallel.sequence: where the sequence is split and gathered again
     pipeline               parallel.pipeline (cutting into stages), export (stage files' names)
     hf                     export (config.json, weights' names) and model.init_from (import)
@@ -29,6 +29,7 @@ class HFTensor:
     ours: Tuple[str, ...]
     join: Callable = None                  # [our tensors] -> theirs; None: the one, as it is
     split: Callable = None                 # theirs -> [our tensors]; None: the one, as it is
+    index: int = None                      # theirs is ours[index] (one expert of a stack)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ModelSpec:
     sequence_parallel: Optional[Tuple[str, str]] = None  # (embedding, LM head) module names
     pipeline: Optional[PipelineLayout] = None  # None: no pipeline stages
     embedding_weight: str = "model.embed_tokens.weight"  # what a tied LM head shares
+    experts: bool = False                  # its MLP is a mixture of experts (model.moe)
     hf: Optional[HFFormat] = None
 
     def tie_head(self, state: dict, tied: bool) -> dict:
@@ -104,16 +106,34 @@ class ModelSpec:
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
+    def active_mlp_params(self, shape) -> int:
+        """The MLP matrices' parameters one token passes through in one block: the dense MLP,
+        or its top-k experts and the router (mixture of experts)."""
+        d, f = shape.hidden_size, shape.ffn_hidden_size
+        if shape.moe is None:
+            return self.mlp_matrices * d * f
+        return shape.moe.top_k * self.mlp_matrices * d * f + d * shape.moe.num_experts
+
+    def active_parameters(self, shape, total: int) -> int:
+        """The parameters one token uses, of `total`: all but the experts it is not routed to."""
+        if shape.moe is None:
+            return total
+        idle = shape.moe.num_experts - shape.moe.top_k
+        return total - shape.num_layers * idle * self.mlp_matrices * shape.hidden_size \
+            * shape.ffn_hidden_size
+
     # What one token costs, from the family's block (attention with grouped k/v projections,
     # the MLP's matrices) and a shape: one place for the start line, the metrics, the estimator.
     def flops_per_token(self, shape, seq_length: int) -> float:
-        """Training FLOPs per token, the PaLM/Megatron count: 6 x (matmul parameters, the output
-        projection included, input embeddings not) + 12 x layers x hidden x sequence (attention
-        scores and values, full square, as those papers count it). No recomputation (HFU)."""
-        d, L, f = shape.hidden_size, shape.num_layers, shape.ffn_hidden_size
+        """Training FLOPs per token, the PaLM/Megatron count: 6 x (matmul parameters a token
+        passes through, the output projection included, input embeddings not; for a mixture of
+        experts its top-k experts and the router: the active parameters) + 12 x layers x hidden
+        x sequence (attention scores and values, full square, as those papers count it). No
+        recomputation (HFU)."""
+        d, L = shape.hidden_size, shape.num_layers
         kv = shape.num_kv_heads * shape.head_dim
         attn = d * d * 2 + d * kv * 2                      # q, o and k, v projections
-        matmul_params = L * (attn + self.mlp_matrices * d * f) + d * shape.vocab_size
+        matmul_params = L * (attn + self.active_mlp_params(shape)) + d * shape.vocab_size
         return 6.0 * matmul_params + 12.0 * L * d * seq_length
 
     def recompute_flops_per_token(self, shape, seq_length: int, checkpointing: str,
@@ -123,10 +143,10 @@ class ModelSpec:
         `selective`, every `every`-th block."""
         if checkpointing == "none":
             return 0.0
-        d, f = shape.hidden_size, shape.ffn_hidden_size
+        d = shape.hidden_size
         kv = shape.num_kv_heads * shape.head_dim
         attention = 2.0 * (d * d * 2 + d * kv * 2) + 4.0 * d * seq_length
-        mlp = 2.0 * self.mlp_matrices * d * f
+        mlp = 2.0 * self.active_mlp_params(shape)
         per_layer = attention + (mlp if checkpointing == "full" else 0.0)
         return per_layer * len(range(0, shape.num_layers, every))
 
@@ -139,6 +159,8 @@ class ModelSpec:
         norms = 2 * bytes_per * h
         attention = bytes_per * (h + (h + 2 * kv) + h + h)  # input, q/k/v, output, o_proj input
         # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
-        # output, gelu output
-        mlp = bytes_per * (h + self.mlp_matrices * f)
+        # output, gelu output; a mixture of experts: that for each of its top-k experts, and
+        # the routed copy of the input each one reads
+        k = 1 if shape.moe is None else shape.moe.top_k
+        mlp = bytes_per * (h + k * (self.mlp_matrices * f + (h if shape.moe else 0)))
         return norms + attention + mlp

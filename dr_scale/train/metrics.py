@@ -53,7 +53,15 @@ def console_line(rec: dict, max_steps: int) -> str:
             f"lr {rec['lr']:.3e} | {rec['tokens_per_s']:,.0f} tok/s | "
             f"{rec['tflops']:.3f} TFLOP/s | {mfu} | mem {format_bytes(rec['mem_peak_bytes'])}"
             + (f" | grad norm {rec['grad_norm']:.3f}" if "grad_norm" in rec else "")
-            + (f" | clipped {rec['clipped_params']:.1f}" if "clipped_params" in rec else ""))
+            + (f" | clipped {rec['clipped_params']:.1f}" if "clipped_params" in rec else "")
+            + (router_figures(rec) if "aux_loss" in rec else ""))
+
+
+def router_figures(rec: dict) -> str:
+    """A mixture of experts' routing (models/moe.py): its losses, the busiest expert's load
+    over the mean in the worst layer, the assignments dropped by the capacity."""
+    return (f" | aux {rec['aux_loss']:.3f} | z {rec['z_loss']:.3f} | expert load max/mean "
+            f"{max(rec['expert_load']):.2f} | dropped {100 * rec['tokens_dropped']:.1f}%")
 
 
 WANDB_ID_FILE = "wandb_run_id"

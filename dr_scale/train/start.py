@@ -73,7 +73,8 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
     yield (f"dr_scale: {t.world} rank(s) ({group.local_world} on this node), "
            f"{group.device.type}, {dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, "
            f"{plan.precision}{f' ({why})' if why else ''}; model {c.model.preset} "
-           f"({shape.arch}) {facts.parameters / 1e6:.2f}M parameters; batch "
+           f"({shape.arch}) {facts.parameters / 1e6:.2f}M parameters"
+           f"{experts_note(shape, facts)}; batch "
            f"{b['micro']} x {b['accum']} accumulation x {t.data} data-parallel = "
            f"{b['global']} x {c.data.seq_length} tokens; run folder {group.run_dir}")
     if warning:
@@ -101,6 +102,16 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
                                      max(1, t.world // group.local_world),
                                      c.train.checkpoint_write_gbps)
     yield from (f"warning: {w}" for w in sources.warnings)
+
+
+def experts_note(shape, facts: RunFacts) -> str:
+    """A mixture of experts: its active parameters, which FLOPs and MFU count."""
+    if shape.moe is None:
+        return ""
+    active = spec_of(shape.arch).active_parameters(shape, facts.parameters)
+    return (f" ({active / 1e6:.2f}M active: top-{shape.moe.top_k} of {shape.moe.num_experts} "
+            f"experts; MFU counts 6 x active matmul parameters + 12 x layers x hidden x "
+            f"sequence FLOPs per token)")
 
 
 def lm_head_note(topo, parallel_cfg) -> str:

@@ -31,6 +31,7 @@ class PlainSteps:
                 tr.engine.backward(loss)
                 if tr.cfg.train.release_host_memory:  # before the step's fp32 gradients come
                     host_memory.release_freed()
+            loss = report_loss_parts(tr, loss)
             tr.callbacks.fire("after_backward", tr, tr.step, micro)
             if micro == accum - 1:
                 with hangs.doing(f"step {tr.step + 1}: waiting for checkpoint writes"):
@@ -89,6 +90,19 @@ class PipelineSteps:
         if self._eval_shape is not None:  # training batches may differ from the last one
             self.trainer.engine.reset_activation_shape()
             self._eval_shape = None
+
+
+def report_loss_parts(trainer, loss):
+    """The loss the loop shows: a model whose training loss adds terms of its own (the router's
+    losses of a mixture of experts) keeps them in `loss_parts`; the LM loss is shown as the
+    loss (what evaluation measures) and the rest go to the record as figures of their own."""
+    parts = dict(getattr(trainer.engine.module, "loss_parts", None) or {})
+    if not parts:
+        return loss
+    for name, value in parts.items():
+        if name != "lm_loss":
+            trainer.report(name, value)
+    return parts["lm_loss"]
 
 
 def for_topology(topology, trainer):

@@ -54,7 +54,8 @@ class Trainer:
 
     def report(self, name: str, value):
         """Add a figure to the next training record: numbers (tensors stay on the device, no
-        host sync until the record) are averaged over the window; anything else, the latest."""
+        host sync until the record) are averaged over the window, a vector element-wise (a
+        list in the record); anything else, the latest."""
         self._reported.setdefault(name, []).append(value)
 
     def will_log(self, step: int) -> bool:
@@ -65,8 +66,9 @@ class Trainer:
         out = {}
         for name, values in self._reported.items():
             if all(isinstance(v, (int, float, torch.Tensor)) for v in values):
-                out[name] = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu()
-                                         for v in values]).mean().item()
+                mean = torch.stack([torch.as_tensor(v, dtype=torch.float32).cpu()
+                                    for v in values]).mean(0)
+                out[name] = mean.item() if mean.dim() == 0 else mean.tolist()
             else:
                 out[name] = values[-1]
         self._reported = {}

@@ -1,0 +1,146 @@
+"""Mixtral-style mixture-of-experts decoder: the Llama block (RMSNorm, rotary, grouped-query
+attention) with its MLP replaced by top-k of N SwiGLU experts (models/moe.py).
+
+Parameter names follow transformers' MixtralForCausalLM in memory (model.layers.N.mlp.gate,
+.mlp.experts); the experts are stacked per projection (w1, w2, w3), and the folder transformers
+writes and reads keeps one tensor per expert (block_sparse_moe.experts.E.w1.weight): export and
+import slice or stack them (`hf_tensors`).
+"""
+import torch
+from torch import nn
+
+from dr_scale.errors import DrScaleError
+from dr_scale.models import llama
+from dr_scale.models.layers import RMSNorm, SelfAttention
+from dr_scale.models.lm_head import logits_or_loss
+from dr_scale.models.moe import SparseMoE, router_losses
+from dr_scale.models.spec import HFFormat, HFTensor, ModelSpec
+from dr_scale.registry import MODEL_REGISTRY
+
+
+class MixtralBlock(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
+        self.self_attn = SelfAttention(shape, bias=False)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
+        self.mlp = SparseMoE(shape.hidden_size, shape.ffn_hidden_size, shape.moe)
+
+    def forward(self, x, rotary, doc_ids=None):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, doc_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MixtralBody(llama.LlamaBody):
+    def __init__(self, shape):
+        super().__init__(shape)
+        self.layers = nn.ModuleList(MixtralBlock(shape) for _ in range(shape.num_layers))
+
+
+class MixtralForCausalLM(llama.LlamaForCausalLM):
+    """Training: the returned loss is the LM loss plus the router's weighted auxiliary and z
+    losses; `loss_parts` keeps the LM loss and the router's figures apart for the loss line.
+    Evaluation (not training): the LM loss alone, as for a dense model."""
+
+    def __init__(self, shape):
+        if shape.moe is None:
+            raise DrScaleError("model.moe.num_experts: the mixtral family needs experts")
+        nn.Module.__init__(self)
+        self.shape = shape
+        self.model = MixtralBody(shape)
+        self.lm_head = llama.LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_function = llama.causal_lm_loss
+        self.loss_parts = {}
+
+    def forward(self, input_ids, labels=None, doc_ids=None, position_ids=None):
+        out = super().forward(input_ids, labels, doc_ids, position_ids)
+        if labels is None or not self.training:
+            return out
+        router, figures = router_losses(self, self.shape.moe)
+        self.loss_parts = {"lm_loss": out.detach(), **figures}
+        return out + router
+
+
+def hf_config(shape, eod_id: int) -> dict:
+    cfg = llama.hf_config(shape, eod_id, architecture="MixtralForCausalLM", model_type="mixtral")
+    for llama_only in ("attention_bias", "mlp_bias"):
+        del cfg[llama_only]
+    cfg.update(num_local_experts=shape.moe.num_experts, num_experts_per_tok=shape.moe.top_k,
+               router_aux_loss_coef=shape.moe.aux_loss_coeff, output_router_logits=False,
+               router_jitter_noise=0.0, sliding_window=None)
+    return cfg
+
+
+def shape_from_hf(config: dict, source: str) -> dict:
+    if config.get("sliding_window"):
+        raise DrScaleError(f"{source}: sliding_window={config['sliding_window']} is not supported "
+                           "(full causal attention only); set it to null if the window covers "
+                           "the context")
+    if config.get("router_jitter_noise"):
+        raise DrScaleError(f"{source}: router_jitter_noise is not supported (deterministic "
+                           "routing); set it to 0")
+    fields = llama.decoder_fields(config, source, "mixtral")
+    try:
+        fields["moe"] = dict(num_experts=config["num_local_experts"],
+                             top_k=config["num_experts_per_tok"],
+                             aux_loss_coeff=config.get("router_aux_loss_coef", 0.01))
+    except KeyError as e:
+        raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
+    return fields
+
+
+def hf_tensors(shape) -> list:
+    """transformers' checkpoint tensors from ours: the router under `block_sparse_moe.gate`, and
+    each expert's w1/w2/w3 one tensor apiece (`index`: expert e of our stacked tensor)."""
+    d, f, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
+    kv = shape.num_kv_heads * shape.head_dim
+    out = [HFTensor("model.embed_tokens.weight", (vocab, d), ("model.embed_tokens.weight",)),
+           HFTensor("model.norm.weight", (d,), ("model.norm.weight",))]
+    if not shape.tie_embeddings:
+        out.append(HFTensor("lm_head.weight", (vocab, d), ("lm_head.weight",)))
+    for i in range(shape.num_layers):
+        layer = f"model.layers.{i}"
+        out += [HFTensor(f"{layer}.{n}.weight", (d,), (f"{layer}.{n}.weight",))
+                for n in ("input_layernorm", "post_attention_layernorm")]
+        out += [HFTensor(f"{layer}.self_attn.{p}_proj.weight", rows_cols,
+                         (f"{layer}.self_attn.{p}_proj.weight",))
+                for p, rows_cols in (("q", (d, d)), ("k", (kv, d)), ("v", (kv, d)),
+                                     ("o", (d, d)))]
+        out.append(HFTensor(f"{layer}.block_sparse_moe.gate.weight", (shape.moe.num_experts, d),
+                            (f"{layer}.mlp.gate.weight",)))
+        for e in range(shape.moe.num_experts):
+            for w, rows_cols in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d))):
+                out.append(HFTensor(f"{layer}.block_sparse_moe.experts.{e}.{w}.weight",
+                                    rows_cols, (f"{layer}.mlp.experts.{w}",), index=e))
+    return out
+
+
+_MIXTRAL = dict(arch="mixtral", tie_embeddings=False, norm_eps=1e-5, rope_theta=1000000.0)
+
+SPEC = MODEL_REGISTRY.register("mixtral", ModelSpec(
+    arch="mixtral", module=MixtralForCausalLM, gated_mlp=True, rotary=True, experts=True,
+    # attention only: the experts are not split by tensor parallelism
+    tp_plan=(
+        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"}),
+    sequence_parallel=("model.embed_tokens", "lm_head"),
+    hf=HFFormat("MixtralForCausalLM", "mixtral", hf_config, shape_from_hf, tensors=hf_tensors),
+    presets={
+        # CPU runs and tests: 8 experts, top-2; `tiny`'s shape with its MLP width active per
+        # token (2 x 352 = 704): the dense model of the same active parameters
+        "moe_tiny": dict(_MIXTRAL, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
+                         ffn_hidden_size=352, max_seq_length=1024, vocab_size=4096,
+                         tie_embeddings=True, moe=dict(num_experts=8, top_k=2)),
+        # OLMoE-1B-7B's expert shape (64 experts, top-8, 1.3B active of 6.9B) in the Mixtral
+        # layout (without OLMoE's q/k norms): a small real-sized MoE for estimates
+        "moe_1b_7b": dict(_MIXTRAL, hidden_size=2048, num_layers=16, num_heads=16,
+                          num_kv_heads=16, ffn_hidden_size=1024, max_seq_length=4096,
+                          vocab_size=50304, rope_theta=10000.0,
+                          moe=dict(num_experts=64, top_k=8)),
+        # Mixtral-8x7B
+        "mixtral_8x7b": dict(_MIXTRAL, hidden_size=4096, num_layers=32, num_heads=32,
+                             num_kv_heads=8, ffn_hidden_size=14336, max_seq_length=32768,
+                             vocab_size=32000, moe=dict(num_experts=8, top_k=2)),
+    }))

@@ -1,0 +1,220 @@
+"""The mixture-of-experts family (models/mixtral.py, models/moe.py): its block against
+transformers' Mixtral block, grouped experts against the loop, the capacity's drops, the counts
+against the published models, and a run: trained on 2 ranks with the router's figures in the
+records, exported, loaded and scored by transformers, imported back."""
+import json
+
+import pytest
+import torch
+
+from dr_scale.config.schema import ModelConfig, MoEConfig
+from dr_scale.errors import DrScaleError
+from dr_scale.models import build_model, resolve_shape
+from dr_scale.models.build import count_parameters, spec_of
+from dr_scale.models.moe import MoEShape, SparseMoE
+from tests.conftest import launch, stopped_at
+from tests.test_export import export
+from tests.test_train_distributed import records
+
+HIDDEN, FFN, EXPERTS = 64, 96, 8
+
+
+def hf_block(ours: SparseMoE):
+    """transformers' MixtralSparseMoeBlock with `ours`'s weights (its experts fused: gate_up_proj
+    is w1 over w3)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    block = MixtralSparseMoeBlock(MixtralConfig(
+        hidden_size=HIDDEN, intermediate_size=FFN, num_local_experts=EXPERTS,
+        num_experts_per_tok=ours.moe.top_k, router_jitter_noise=0.0))
+    with torch.no_grad():
+        block.gate.weight.copy_(ours.gate.weight)
+        block.experts.gate_up_proj.copy_(torch.cat([ours.experts.w1, ours.experts.w3], dim=1))
+        block.experts.down_proj.copy_(ours.experts.w2)
+    return block
+
+
+def moe_block(capacity_factor=None, seed=0):
+    torch.manual_seed(seed)
+    block = SparseMoE(HIDDEN, FFN, MoEShape(EXPERTS, 2, capacity_factor))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.1)
+    return block
+
+
+def tokens(n=4096, seed=1):
+    return torch.randn(1, n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def test_block_equals_transformers_mixtral_over_4k_tokens():
+    """Mixtral's routing (softmax, top-2, renormalised) and SwiGLU experts: our block's output
+    equals transformers' for the same weights, fp32, 4,096 positions; the grouped matmuls equal
+    the one-expert-at-a-time loop; nothing dropped without a capacity."""
+    ours, x = moe_block(), tokens()
+    theirs = hf_block(ours)
+    with torch.no_grad():
+        want = theirs(x)
+        got = ours(x)
+        ours.experts.impl = "loop"
+        looped = ours(x)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 1e-5 * scale
+    assert (got - looped).abs().max().item() <= 1e-5 * scale
+    assert ours.stats.dropped.item() == 0
+    assert ours.stats.tokens_per_expert.sum().item() == 2 * 4096
+
+
+def test_gradients_of_grouped_experts_equal_the_loop():
+    x = tokens(512).requires_grad_()
+    grads = {}
+    for impl in ("grouped_mm", "loop"):
+        block = moe_block()
+        block.experts.impl = impl
+        x.grad = None
+        (block(x) * torch.linspace(-1, 1, HIDDEN)).sum().backward()
+        grads[impl] = [x.grad.clone()] + [p.grad for p in block.parameters()]
+    for a, b in zip(grads["grouped_mm"], grads["loop"]):
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+
+
+def test_capacity_drops_the_latest_assignments_of_a_busy_expert():
+    """capacity_factor 0.5: an expert takes ceil(0.5 x T x 2 / E) assignments, in token order; the
+    dropped ones are counted and add nothing, the kept ones are what the drop-free block gives."""
+    x = tokens(256)
+    free, capped = moe_block(), moe_block(capacity_factor=0.5)
+    with torch.no_grad():
+        out_free, out_capped = free(x)[0], capped(x)[0]
+    counts = capped.stats.tokens_per_expert
+    capacity = 32  # ceil(0.5 x 256 x 2 / 8)
+    assert capped.stats.dropped.item() == (counts - capacity).clamp(min=0).sum().item() > 0
+    # tokens none of whose experts overflowed come out the same
+    logits = capped.gate(x[0])
+    chosen = torch.topk(torch.softmax(logits, -1), 2, -1).indices
+    position = torch.zeros_like(chosen)
+    seen = torch.zeros(EXPERTS, dtype=torch.long)
+    for t in range(chosen.shape[0]):
+        for j in range(2):
+            e = chosen[t, j]
+            position[t, j] = seen[e]
+            seen[e] += 1
+    whole = (position < capacity).all(dim=1)
+    assert 0 < whole.sum() < 256
+    assert torch.allclose(out_free[whole], out_capped[whole], atol=1e-6)
+    assert not torch.allclose(out_free[~whole], out_capped[~whole], atol=1e-6)
+
+
+def test_router_runs_in_fp32_under_bf16():
+    block = moe_block().to(torch.bfloat16)
+    x = tokens(64).to(torch.bfloat16)
+    logits = block.gate(x[0])
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, x[0].float() @ block.gate.weight.float().t())
+    assert block(x).dtype == torch.bfloat16
+
+
+def test_presets_count_as_the_published_models():
+    """mixtral_8x7b builds (on meta) transformers' Mixtral-8x7B parameter count, 46.7B, of which
+    12.9B are active per token (2 of 8 experts); FLOPs per token count the active ones."""
+    from transformers import MixtralConfig, MixtralForCausalLM as HFMixtral
+
+    shape = resolve_shape(ModelConfig(preset="mixtral_8x7b"))
+    n = count_parameters(build_model(shape, device="meta"))
+    with torch.device("meta"):
+        theirs = HFMixtral(MixtralConfig())  # its defaults are Mixtral-8x7B's
+    assert n == sum(p.numel() for p in theirs.parameters()) == 46_702_792_704
+    spec = spec_of("mixtral")
+    active = spec.active_parameters(shape, n)
+    assert active == n - 32 * 6 * 3 * 4096 * 14336 == 12_879_925_248
+    embedding, norms = 32000 * 4096, (2 * 32 + 1) * 4096  # not matmuls
+    assert spec.flops_per_token(shape, 0) == 6 * (active - embedding - norms)
+
+
+@pytest.mark.parametrize("fields, pattern", [
+    (dict(preset="moe_tiny", moe=MoEConfig(top_k=9)), r"model\.moe: top_k=9 must be between 1 "
+                                                      r"and num_experts=8"),
+    (dict(preset="tiny", moe=MoEConfig(top_k=2)), r"model\.moe: a dense preset given expert "
+                                                  r"settings needs model\.moe\.num_experts"),
+    (dict(preset="tiny", moe=MoEConfig(num_experts=4)), r"the llama family has a dense MLP"),
+])
+def test_bad_expert_settings_are_one_line_errors(fields, pattern):
+    with pytest.raises(DrScaleError, match=pattern):
+        resolve_shape(ModelConfig(**fields))
+
+
+RUN = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=8",
+       "train.warmup_steps=2", "train.log_interval=2", "train.eval_interval=4",
+       "train.save_interval=4", "train.eval_samples=16", "train.global_batch_size=8",
+       "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(cache_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("moe") / "run"
+    launch(["--ds_config", "zero2", "--run_dir", run, *RUN], 2, cache_dir)
+    return run
+
+
+def test_run_logs_the_router(moe_run):
+    """The loss line's loss is the LM loss (what evaluation measures); the router's losses, the
+    dropped share and each layer's busiest-expert load are figures of their own; the start line
+    gives the active parameters."""
+    train = [r for r in records(moe_run) if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6, 8]
+    for r in train:
+        assert 0.9 < r["aux_loss"] < 8 and r["z_loss"] > 0 and r["tokens_dropped"] == 0
+        assert len(r["expert_load"]) == 4 and all(1 <= v <= 8 for v in r["expert_load"])
+    run = json.loads((moe_run / "run.json").read_text())
+    assert run["model"]["shape"]["moe"]["num_experts"] == 8
+
+
+def test_export_is_scored_by_transformers_as_the_run(moe_run, tmp_path):
+    """dr-scale export writes a folder transformers loads as MixtralForCausalLM, with our logits
+    (fp32 both) and the run's held-out loss (within 1%: the run evaluated in bf16); init_from
+    reads it back tensor for tensor."""
+    from transformers import MixtralForCausalLM as HFMixtral
+
+    from dr_scale.config.schema import RunConfig
+    from dr_scale.export.consolidate import consolidated_state_dict, run_shape
+    from dr_scale.export.hf import apply_init_from, load_into
+    from dr_scale.export.score import score
+
+    out = tmp_path / "hf"
+    proc = export(moe_run, out)
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["num_local_experts"],
+            config["num_experts_per_tok"]) == (["MixtralForCausalLM"], 8, 2)
+    shape = run_shape(moe_run)
+    ours = build_model(shape)
+    ours.load_state_dict(consolidated_state_dict(moe_run / "checkpoints", "step_00000008", shape))
+    hf = HFMixtral.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(0, shape.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours.eval()(ids) - hf(ids).logits).abs().max().item() < 1e-4
+    scored = score(out, moe_run)
+    assert scored.relative_difference < 0.01, scored.as_dict()
+
+    cfg = RunConfig()
+    cfg.model.init_from = str(out)
+    state = apply_init_from(cfg)
+    assert (cfg.model.arch, cfg.model.moe.num_experts, cfg.model.moe.top_k) == ("mixtral", 8, 2)
+    imported = build_model(shape)
+    load_into(imported, state, str(out))
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(imported.state_dict()[name], tensor), name
+
+
+def test_resume_continues_the_uninterrupted_losses(moe_run, cache_dir, tmp_path):
+    """Stopped after step 4's checkpoint and resumed: steps 5-8 log the uninterrupted run's
+    losses and router figures."""
+    run = tmp_path / "resumed"
+    stopped_at(moe_run, run, 4)
+    launch(["--ds_config", "zero2", "--run_dir", run, "--resume", "auto", *RUN], 2, cache_dir)
+    want = {r["step"]: r for r in records(moe_run) if "loss" in r and r["step"] > 4}
+    got = {r["step"]: r for r in records(run) if "loss" in r and r["step"] > 4}
+    assert sorted(got) == [6, 8]
+    for step, r in got.items():
+        assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
+        assert r["aux_loss"] == pytest.approx(want[step]["aux_loss"], rel=1e-6), step
