@@ -26,6 +26,7 @@ from dr_scale.plan import RunPlan, check, start_group
 from dr_scale.train import hangs, host_memory
 from dr_scale.train.engine import check_precision, initialize_engine
 from dr_scale.train.metrics import MetricsLogger
+from dr_scale.train.expert_load_plot import plot_expert_load
 from dr_scale.train.plot import plot_curves
 from dr_scale.train.schedule import build_scheduler
 from dr_scale.train.start import run_facts, start_lines, write_run_snapshot
@@ -85,6 +86,8 @@ def run(plan: RunPlan):
         logger.close()
     if group.topology.rank == 0 and plan.cfg.logging.plot:
         logger.info(f"wrote {plot_curves(group.run_dir)}")
+        if shape.moe is not None:
+            logger.info(f"wrote {plot_expert_load(group.run_dir)}")
     close_distributed()
     return group.run_dir
 

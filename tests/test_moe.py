@@ -146,7 +146,7 @@ def test_bad_expert_settings_are_one_line_errors(fields, pattern):
 RUN = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=8",
        "train.warmup_steps=2", "train.log_interval=2", "train.eval_interval=4",
        "train.save_interval=4", "train.eval_samples=16", "train.global_batch_size=8",
-       "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
+       "train.micro_batch_size=2", "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +167,23 @@ def test_run_logs_the_router(moe_run):
         assert len(r["expert_load"]) == 4 and all(1 <= v <= 8 for v in r["expert_load"])
     run = json.loads((moe_run / "run.json").read_text())
     assert run["model"]["shape"]["moe"]["num_experts"] == 8
+
+
+def test_expert_load_picture_is_the_records(moe_run):
+    """expert_load.png beside metrics.jsonl: a heat map whose cells are the records' per-layer
+    loads, layers down, logged steps across."""
+    import matplotlib.image
+    import numpy as np
+
+    from dr_scale.train.expert_load_plot import draw_expert_load
+    from dr_scale.train.metrics import read_metrics
+
+    recs = read_metrics(moe_run / "metrics.jsonl")
+    cells = np.asarray(draw_expert_load(recs).axes[0].images[0].get_array())
+    want = np.array([r["expert_load"] for r in recs if "expert_load" in r]).T
+    assert cells.shape == (4, 4) and np.array_equal(cells, want)
+    image = matplotlib.image.imread(moe_run / "expert_load.png")
+    assert image.shape[0] > 100 and image.shape[1] > 300 and image[..., :3].std() > 0.05
 
 
 def test_export_is_scored_by_transformers_as_the_run(moe_run, tmp_path):
