@@ -125,7 +125,10 @@ SPEC = MODEL_REGISTRY.register("mixtral", ModelSpec(
     tp_plan=(
         {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
         {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"}),
-    sequence_parallel=("model.embed_tokens", "lm_head"),
+    # no sequence parallelism: the experts, replicated over the tensor group, would each see a
+    # slice of the sequence and need their gradients summed over the group, which AutoTP's
+    # replicated parameters do not get
+    sequence_parallel=None,
     hf=HFFormat("MixtralForCausalLM", "mixtral", hf_config, shape_from_hf, tensors=hf_tensors),
     presets={
         # CPU runs and tests: 8 experts, top-2; `tiny`'s shape with its MLP width active per

@@ -4,8 +4,10 @@ computed as grouped matmuls, the router's auxiliary losses and the load figures 
 Why our own layer and not one of DeepSpeed's: `deepspeed.moe.layer.MoE` samples the second
 expert with Gumbel noise in its top-2 gate (Mixtral's routing is deterministic), loops over the
 experts in Python and is refused under ZeRO-3; AutoEP (0.19.8) replaces the MoE blocks of a
-transformers model by matching its config and class names, owns the router and refuses a
-load-balancing coefficient; `deepspeed.moe.ep_experts.GroupedExperts` applies DeepSpeed's Triton
+transformers model by matching its config and class names, owns the router, refuses a
+load-balancing coefficient, and with transformers 5.25 fails to replace even transformers' own
+Mixtral (TypeError in its output-recorder retargeting, 2 gloo ranks, ZeRO-2);
+`deepspeed.moe.ep_experts.GroupedExperts` applies DeepSpeed's Triton
 SwiGLU in its grouped path unconditionally, so it cannot run CPU tensors. The parameters keep the
 layout GroupedExperts and transformers' per-expert checkpoints use (w1 gate, w3 up: experts x
 ffn x hidden; w2 down: experts x hidden x ffn), so export and import are a slice per expert.

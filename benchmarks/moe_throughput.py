@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""A mixture of experts against the dense model of the same active parameters, side by side:
+`moe_tiny` (8 experts of width 352, top-2) against `tiny` (one MLP of width 704, the same
+attention), each a launcher job under the same DeepSpeed config and ranks, interleaved repeat by
+repeat; tokens/s and MFU (MoE: by active parameters) as medians over the repeats.
+
+    python benchmarks/moe_throughput.py [--ds_config zero2] [--ranks 2] [--steps 30]
+                                        [--repeats 2] [--out bench_out/moe_throughput]
+
+Writes results.jsonl and results.md; the CPU model heads both.
+"""
+import argparse
+import os
+import statistics
+import tempfile
+
+from bench_results import write_results
+from throughput import run_point
+
+PAIR = ("tiny", "moe_tiny")  # dense first
+
+
+def main(argv=None):
+    from dr_scale.runtime.hardware import cpu_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ds_config", default="zero2")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--seq_length", type=int, default=256)
+    ap.add_argument("--micro_batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default="bench_out/moe_throughput")
+    a = ap.parse_args(argv)
+    where = f"{cpu_model()}, {os.cpu_count()} core(s)"
+    print(f"MoE vs dense of the same active parameters: {' vs '.join(PAIR)}, {a.ds_config}, "
+          f"{a.ranks} rank(s), {a.micro_batch} x {a.seq_length} tokens a micro-batch, on "
+          f"{where}", flush=True)
+    points = {p: [] for p in PAIR}
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as work:
+        for repeat in range(a.repeats):
+            for preset in PAIR:
+                row = run_point(preset, a.ds_config, a.ranks, a.steps, a.seq_length,
+                                a.micro_batch, [], work)
+                points[preset].append(row)
+                print(f"  repeat {repeat + 1} {preset}: {row['tokens_per_s']:,.0f} tokens/s, "
+                      f"MFU {100 * row['mfu']:.2f}%", flush=True)
+    rows = []
+    for preset in PAIR:
+        runs = points[preset]
+        rows.append({"preset": preset, "parameters": runs[0]["parameters"],
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                     "mfu": statistics.median(r["mfu"] for r in runs),
+                     "peak_tflops": runs[0]["peak_tflops"], "repeats": len(runs)})
+    dense, moe = rows
+    moe["tokens_per_s_vs_dense"] = round(moe["tokens_per_s"] / dense["tokens_per_s"], 3)
+    dense["tokens_per_s_vs_dense"] = 1.0
+    print(f"{PAIR[1]} / {PAIR[0]}: tokens/s {moe['tokens_per_s_vs_dense']}x, MFU "
+          f"{100 * moe['mfu']:.2f}% vs {100 * dense['mfu']:.2f}%")
+    write_results(a.out, rows, f"# MoE vs dense of the same active parameters, {a.ds_config}, "
+                  f"{a.ranks} rank(s), {a.micro_batch} x {a.seq_length} tokens ({where})",
+                  [("preset", "preset"), ("parameters", "parameters"),
+                   ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+                   ("MFU", lambda r: f"{100 * r['mfu']:.2f}%"),
+                   ("tokens/s vs dense", "tokens_per_s_vs_dense"), ("repeats", "repeats")],
+                  dict(cpu=where, ds_config=a.ds_config, ranks=a.ranks))
+
+
+if __name__ == "__main__":
+    main()
