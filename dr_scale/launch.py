@@ -18,6 +18,7 @@ from dr_scale.runtime.process_group import close_distributed
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
                              TrainingStopped)
 from dr_scale.export.hf import load_into
+from dr_scale.models import compile_choice
 from dr_scale.models.build import with_tokenizer_vocab
 from dr_scale.models.kernel_choice import select_kernels
 from dr_scale.parallel.parallelize import parallelize
@@ -47,6 +48,9 @@ def run(plan: RunPlan):
                                  group.topology)
     shape, kernels_line = select_kernels(shape, plan.cfg, group.device.type, plan.precision,
                                          group.topology)
+    compiled, compile_line = compile_choice.settle(
+        shape, plan.cfg, dsc.zero_stage(group.ds), group.device,
+        dsc.torch_dtype(plan.precision), group.batch_sizes["micro"], kernels_line)
     torch.manual_seed(plan.cfg.train.seed)
     if plan.cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
         host_memory.give_large_blocks_pages_of_their_own()
@@ -59,7 +63,7 @@ def run(plan: RunPlan):
     facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.batch_sizes,
                       group.topology)
     parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds,  # parallel
-                           LOADED_LATER if resume else initial)
+                           LOADED_LATER if resume else initial, compiled)
     if group.topology.rank == 0:
         write_run_snapshot(plan, group, parallel.ds, shape, facts, sources)
     comm.barrier()
@@ -69,6 +73,7 @@ def run(plan: RunPlan):
                            resume_step=-1 if plan.fresh_over_old else resume and resume.step)
     for line in start_lines(plan, group, shape, facts, kernels_line, sources, offload_note):
         logger.info(line)
+    logger.info(compile_line)
     scheduler = None if "scheduler" in group.ds else \
         (lambda opt: build_scheduler(opt, plan.cfg.train))
     warm_imports.finish()

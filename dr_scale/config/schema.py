@@ -51,7 +51,9 @@ class ModelConfig(Section):
     pad_vocab_multiple: int = field(64, min=1)
     init_from: Optional[str] = field(None, help="Hugging Face folder to start from (a family "
                                      "whose ModelSpec has an HF format)")
-    compile: bool = field(False, help="torch.compile each decoder block (regional compilation)")
+    compile: Any = field(False, choices=[False, True, "auto"], help="torch.compile each decoder "
+                         "block (regional compilation): false, true, or auto (one block "
+                         "measured eager and compiled at the run's shapes, the faster kept)")
     moe: MoEConfig = field(factory=MoEConfig, help="mixture of experts (mixtral family)")
 
 

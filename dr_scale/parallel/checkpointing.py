@@ -68,13 +68,21 @@ def refusals(ds_config: dict, source: str = "the DeepSpeed config"):
                            f"false (parallel.activation_checkpointing still applies) or use ZeRO-1/2")
 
 
-def compile_refusals(zero_stage: int, checkpointing: str):
+def compile_problem(zero_stage: int, checkpointing: str):
+    """Why the blocks cannot be compiled in this layout, or None."""
     if zero_stage == 3:
-        raise DrScaleError("model.compile=true with ZeRO-3: DeepSpeed's parameter gathering hooks "
-                           "break the compiled graphs; use ZeRO-0/1/2 or model.compile=false")
+        return ("ZeRO-3: DeepSpeed's parameter gathering hooks break the compiled graphs; use "
+                "ZeRO-0/1/2 to compile")
     if checkpointing != "none":
-        raise DrScaleError("model.compile=true with parallel.activation_checkpointing: not "
-                           "combined yet; choose one")
+        return "parallel.activation_checkpointing: not combined with compiling yet; choose one"
+    return None
+
+
+def compile_refusals(zero_stage: int, checkpointing: str):
+    problem = compile_problem(zero_stage, checkpointing)
+    if problem:
+        raise DrScaleError(f"model.compile=true with {problem}, or model.compile=false (auto "
+                           "picks eager here)")
 
 
 def apply(model: nn.Module, mode: str, every: int = 1, ds_config: dict = None, mpu=None) -> int:

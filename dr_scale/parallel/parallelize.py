@@ -60,14 +60,15 @@ def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
         sequence.refusals(shape, topo.tensor, cfg.data.seq_length, p.vocab_parallel, topo.pipeline)
     if p.activation_checkpointing != "none":
         checkpointing.refusals(ds, source=str(ds_path))
-    if cfg.model.compile:
+    if cfg.model.compile is True:
         checkpointing.compile_refusals(zero, p.activation_checkpointing)
 
 
 def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
-                weights=None) -> Parallelized:
+                weights=None, compiled: bool = None) -> Parallelized:
     """`weights`: the init_from folder's (HFWeights) for a model built on meta, LOADED_LATER on a
-    resume (zeros, the checkpoint's values come next), or None (the initial values)."""
+    resume (zeros, the checkpoint's values come next), or None (the initial values).
+    `compiled`: model.compile settled (models/compile_choice.py); None: model.compile=true."""
     p = cfg.parallel
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
     mpu = None  # (1, the refusals: `refusals`, run once in the plan before the process group)
@@ -76,7 +77,9 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
         shard_model(model, shape, topo, p.vocab_parallel)
         mpu = topo.groups.mpu  # DeepSpeed's batch check then counts data-parallel ranks only
     checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu)  # 3
-    if cfg.model.compile:                                                              # 4
+    if compiled is None:
+        compiled = cfg.model.compile is True
+    if compiled:                                                                       # 4
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
     if topo.pipelined:                                                                 # 5
         model = to_pipeline(model, shape, topo, document_mask=cfg.data.document_mask,
