@@ -1,0 +1,84 @@
+"""model.compile: compiled decoder blocks train as the eager ones do (fp32, 2 ranks, ZeRO-1,
+20 steps: losses within 1e-5 relative), a checkpoint saved compiled resumes eager and the other
+way round with the same losses, and `auto` measures once, then reads its cached choice."""
+import json
+
+import pytest
+
+from tests.conftest import launch, stopped_at
+from tests.test_train_distributed import fp32_config, records
+
+STEPS = 20
+RUN = ["data.seq_length=64", f"train.max_steps={STEPS}", "train.warmup_steps=4",
+       "train.log_interval=1", "train.eval_interval=1000", "train.eval_at_start=false",
+       "train.save_interval=10", "train.micro_batch_size=2", "train.global_batch_size=4",
+       "logging.plot=false", "logging.tensorboard=false"]
+
+
+ONE_STEP = ["data.seq_length=64", "train.max_steps=1", "train.eval_at_start=false",
+            "train.eval_interval=1000", "logging.plot=false", "logging.tensorboard=false"]
+
+
+def losses(run_dir, after=0):
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r and r["step"] > after}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache_dir):
+    """The same 20 steps eager and compiled (saving at 10 and 20)."""
+    work = tmp_path_factory.mktemp("compile")
+    ds = fp32_config(work, 1)
+    out = {}
+    for mode in ("false", "true"):
+        out[mode] = work / mode
+        proc = launch(["--ds_config", ds, "--run_dir", out[mode], f"model.compile={mode}", *RUN],
+                      2, cache_dir)
+        assert compile_line(proc.stdout).startswith(
+            "compile: each decoder block compiled" if mode == "true" else "compile: off")
+    return ds, out
+
+
+def test_compiled_blocks_train_as_eager_ones(runs):
+    _, out = runs
+    eager, compiled = losses(out["false"]), losses(out["true"])
+    assert sorted(compiled) == list(range(1, STEPS + 1))
+    for step, loss in eager.items():
+        assert compiled[step] == pytest.approx(loss, rel=1e-5), step
+    assert eager[STEPS] < eager[1] - 0.5  # it learned: the comparison is over a moving loss
+
+
+@pytest.mark.parametrize("saved, resumed", [("true", "false"), ("false", "true")])
+def test_a_checkpoint_resumes_across_compilation(runs, cache_dir, tmp_path, saved, resumed):
+    """Parameter names do not change when blocks are compiled: a checkpoint of one resumes in
+    the other and continues the saved run's losses."""
+    ds, out = runs
+    run = tmp_path / "resumed"
+    stopped_at(out[saved], run, 10)
+    launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto",
+            f"model.compile={resumed}", *RUN], 2, cache_dir)
+    want, got = losses(out[saved], after=10), losses(run, after=10)
+    assert sorted(got) == list(range(11, STEPS + 1))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_auto_measures_once_then_reads_its_choice(cache_dir, tmp_path):
+    """The start line says what auto chose and from what; the second launch of the same job
+    reads the cached measurement. Under ZeRO-3 auto is eager, with the reason."""
+    lines = []
+    for i in range(2):
+        proc = launch(["--ds_config", "zero1", "--run_dir", tmp_path / f"auto{i}",
+                       "model.compile=auto", *ONE_STEP], 1, cache_dir)
+        lines.append(compile_line(proc.stdout))
+    assert lines[0].startswith("compile: auto -> ") and "compiling took" in lines[0], lines[0]
+    assert "cached in" in lines[1] and lines[1].split(" (")[0] == lines[0].split(" (")[0], lines
+    choices = json.loads((cache_dir / "compile_choices.json").read_text())
+    assert any(v["eager_ms"] > 0 and v["compiled_ms"] > 0 for v in choices.values())
+    proc = launch(["--ds_config", "zero3", "--run_dir", tmp_path / "zero3", "model.compile=auto",
+                   *ONE_STEP], 1, cache_dir)
+    assert compile_line(proc.stdout).startswith("compile: auto -> eager (ZeRO-3: DeepSpeed's parameter "
+                                        "gathering hooks break the compiled graphs")
+
+
+def compile_line(stdout: str) -> str:
+    return next(l for l in stdout.splitlines() if l.startswith("compile: "))
