@@ -180,7 +180,8 @@ def _check_range(f, value, key, source):
         return
     meta = f.metadata
     if "choices" in meta and value not in meta["choices"]:
-        choices = ", ".join(map(str, meta["choices"]))
+        choices = ", ".join(str(c).lower() if isinstance(c, bool) else str(c)  # as YAML writes
+                            for c in meta["choices"])
         raise DrScaleError(f"{_where(source, key)}: expected one of {choices}, got {value!r}")
     if "min" in meta and value < meta["min"]:
         raise DrScaleError(f"{_where(source, key)}: expected a value >= {meta['min']}, got "
