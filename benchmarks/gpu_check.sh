@@ -140,7 +140,7 @@ part_launch() {
 }
 
 part_kernels() {
-    $PY benchmarks/kernels.py --seqs 4096 --out "$WORK/kernels"
+    $PY benchmarks/kernel_speed.py --seqs 4096 --out "$WORK/kernels"
 }
 
 part_llama_1b() {

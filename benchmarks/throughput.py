@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Throughput sweep: presets x DeepSpeed configs x tensor x pipeline layouts x micro-batch x
-sequence length x activation checkpointing x attention, each point its own launcher job; beside
-each, the Hugging Face LlamaForCausalLM peer of the same shape under the same DeepSpeed config and
-ranks, and the memory estimator's prediction.
+sequence length x activation checkpointing x attention, each point its own launcher job, eager
+and (--compile) with compiled blocks; beside each, the Hugging Face LlamaForCausalLM peer of the
+same shape under the same DeepSpeed config and ranks, and the memory estimator's prediction.
+With --repeats N every point and its peer run N times, interleaved, and the rows give medians
+(the ratio to the peer: a ratio of medians).
 
-    python benchmarks/throughput.py --quick                 # a few minutes on a 2-core CPU
+    python benchmarks/throughput.py --quick                 # ~10 minutes on a 2-core CPU
     python benchmarks/throughput.py --presets tiny llama_125m --ds_configs zero0 zero1 zero2 zero3
     dr-scale bench --quick                                  # the same, from the console script
 
@@ -161,16 +163,24 @@ def main(argv=None):
     p.add_argument("--checkpointing", nargs="+", default=["none"],
                    choices=["none", "full", "selective"])
     p.add_argument("--attention", nargs="+", default=["sdpa"])
+    p.add_argument("--compile", nargs="+", default=["false"], choices=["false", "true", "auto"],
+                   help="model.compile per point, each a row of its own (not under ZeRO-3, where "
+                        "compiling is refused)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each point and of its peer, interleaved; the rows give medians "
+                        "over them and the ratio of medians")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--no_peer", action="store_true", help="skip the Hugging Face peer")
     p.add_argument("--quick", action="store_true",
-                   help="tiny preset, zero1 and zero3, 15 steps: a few minutes on 2 CPU cores")
+                   help="tiny preset, zero1, zero2 and zero3, eager and compiled, 15 steps, "
+                        "2 repeats: about ten minutes on 2 CPU cores")
     p.add_argument("--out", default="bench_out/throughput")
     p.add_argument("overrides", nargs="*", help="extra dotted.key=value for every point")
     a = p.parse_args(argv)
     if a.quick:
-        a.presets, a.ds_configs, a.steps = ["tiny"], ["zero1", "zero3"], 15
+        a.presets, a.ds_configs, a.steps = ["tiny"], ["zero1", "zero2", "zero3"], 15
+        a.compile, a.repeats = ["false", "true"], 2
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if _has_cuda() else "cpu"
@@ -187,23 +197,36 @@ def main(argv=None):
             label = f"{preset} {ds} {layout} m{micro} s{seq}" + \
                 (f" ckpt={ckpt}" if ckpt != "none" else "") + (f" {attn}" if attn != "sdpa" else "") + \
                 "".join(f" {o}" for o in a.overrides)
-            print(f"[{i}/{len(grid)}] {label} ...", file=sys.stderr, flush=True)
-            row = run_point(preset, ds, a.ranks, a.steps, seq, micro, extra, work)
-            row.update(label=label, layout=layout, tensor_parallel=tp, pipeline_parallel=pp,
-                       activation_checkpointing=ckpt, attention=attn)
-            row["mem_estimate_bytes"] = estimate_bytes(preset, ds, a.ranks, seq, micro, extra,
-                                                       row["vocab_size"], device)
-            if not a.no_peer and tp == pp == 1 and ckpt == "none" and attn == "sdpa":
-                print(f"[{i}/{len(grid)}] peer: HF LlamaForCausalLM, same shape and config ...",
-                      file=sys.stderr, flush=True)
-                peer = run_peer(preset, ds, a.ranks, a.steps, seq, micro, row["vocab_size"], work)
-                row["peer_tokens_per_s"] = peer["tokens_per_s"]
-                row["peer_mem_peak_bytes"] = peer["mem_peak_bytes"]
-                row["vs_peer"] = row["tokens_per_s"] / peer["tokens_per_s"]
-            else:
-                row["peer_tokens_per_s"] = None
-            rows.append(row)
-            print(table([row]).splitlines()[-1], flush=True)
+            modes = [m for m in a.compile if m == "false" or _zero_stage(ds) != 3]
+            with_peer = not a.no_peer and tp == pp == 1 and ckpt == "none" and attn == "sdpa"
+            runs, peers = {m: [] for m in modes}, []
+            for repeat in range(a.repeats):  # interleaved: ours and the peer's, repeat by repeat
+                for mode in modes:
+                    print(f"[{i}/{len(grid)}] {label} compile={mode} (run {repeat + 1}) ...",
+                          file=sys.stderr, flush=True)
+                    runs[mode].append(run_point(preset, ds, a.ranks, a.steps, seq, micro,
+                                                [*extra, f"model.compile={mode}"], work))
+                if with_peer:
+                    print(f"[{i}/{len(grid)}] peer: HF LlamaForCausalLM, same shape and config "
+                          f"(run {repeat + 1}) ...", file=sys.stderr, flush=True)
+                    peers.append(run_peer(preset, ds, a.ranks, a.steps, seq, micro,
+                                          runs[modes[0]][-1]["vocab_size"], work))
+            for mode in modes:
+                row = _medians(runs[mode])
+                row.update(label=label + ("" if mode == "false" else f" compile={mode}"),
+                           layout=layout, tensor_parallel=tp, pipeline_parallel=pp,
+                           activation_checkpointing=ckpt, attention=attn, compile=mode,
+                           repeats=len(runs[mode]))
+                row["mem_estimate_bytes"] = estimate_bytes(preset, ds, a.ranks, seq, micro, extra,
+                                                           row["vocab_size"], device)
+                if peers:
+                    row["peer_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in peers)
+                    row["peer_mem_peak_bytes"] = max(r["mem_peak_bytes"] for r in peers)
+                    row["vs_peer"] = row["tokens_per_s"] / row["peer_tokens_per_s"]
+                else:
+                    row["peer_tokens_per_s"] = None
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
     with open(out / "results.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
@@ -212,6 +235,23 @@ def main(argv=None):
     (out / "results.md").write_text(f"{md}\n\nMFU/HFU denominator: {peak}\n")
     plot(rows, out)
     print(f"\n{md}\n\nwrote {out / 'results.jsonl'}, results.md, throughput.png, memory.png")
+
+
+def _medians(runs: list) -> dict:
+    """One row from repeated runs of a point: the median of each figure (the peak: the
+    largest)."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float) and key != "peak_tflops":
+            row[key] = statistics.median(r[key] for r in runs)
+    row["mem_peak_bytes"] = max(r["mem_peak_bytes"] for r in runs)
+    return row
+
+
+def _zero_stage(ds_config: str) -> int:
+    from dr_scale.config import ds_config as dsc
+
+    return dsc.zero_stage(dsc.read_json(dsc.resolve_path(ds_config)))
 
 
 def _has_cuda():

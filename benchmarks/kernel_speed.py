@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Kernel benchmark on a CUDA device: every registered implementation side by side in one run.
 
-    python benchmarks/kernels.py --out bench_out/kernels
+    python benchmarks/kernel_speed.py --out bench_out/kernels
 
 Attention (bf16, head_dim 128, causal unless --full, GQA 32 query : 8 key/value heads as Llama's
 larger presets): forward and forward + backward TFLOP/s and % of the part's datasheet peak, for
@@ -202,7 +202,7 @@ def main():
     p.add_argument("--out", default="bench_out/kernels")
     a = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py: needs a CUDA device (CPU correctness: "
+        sys.exit("benchmarks/kernel_speed.py: needs a CUDA device (CPU correctness: "
                  "pytest tests/test_kernels_triton.py)")
     from dr_scale.train.peak_flops import datasheet_bandwidth, datasheet_peak
 
