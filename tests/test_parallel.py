@@ -249,8 +249,7 @@ def test_checkpointing_refuses_what_deepspeed_cannot_recompute():
 def test_compile_refuses_what_it_cannot_combine_with():
     from dr_scale.parallel.checkpointing import compile_refusals
 
-    with pytest.raises(DrScaleError, match="model.compile=true with ZeRO-3"):
-        compile_refusals(3, "none")
+    compile_refusals(3, "none")  # ZeRO-3 compiles (tests/test_compile.py)
     with pytest.raises(DrScaleError, match="model.compile=true with parallel.activation_checkpointing"):
         compile_refusals(1, "full")
 

@@ -5,7 +5,7 @@ compiled region, reused by every block of the same code) at the first step. auto
 block, forward and backward at the run's micro-batch, shapes and kernels, eager and compiled, on
 rank 0, keeps the faster for every rank and caches the choice like the kernel choices
 ($DR_SCALE_CACHE/compile_choices.json, keyed by device, torch, dtype, shape, tokens, kernels):
-a restart of the same job does not measure again. Where compiling is refused (ZeRO-3, activation
+a restart of the same job does not measure again. Where compiling is refused (with activation
 checkpointing: parallel/checkpointing.py) auto is eager and says why.
 
 Inductor's own cache lives in the run's cache folder (data.cache_dir/inductor, unless

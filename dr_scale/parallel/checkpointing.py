@@ -69,10 +69,9 @@ def refusals(ds_config: dict, source: str = "the DeepSpeed config"):
 
 
 def compile_problem(zero_stage: int, checkpointing: str):
-    """Why the blocks cannot be compiled in this layout, or None."""
-    if zero_stage == 3:
-        return ("ZeRO-3: DeepSpeed's parameter gathering hooks break the compiled graphs; use "
-                "ZeRO-0/1/2 to compile")
+    """Why the blocks cannot be compiled in this layout, or None. (ZeRO-3 compiles: its
+    parameter gathering hooks are compiler-disabled and break each block's graph around them,
+    and what is left compiled still paid on CPU ranks, tiny, 2 ranks: 1.08x eager.)"""
     if checkpointing != "none":
         return "parallel.activation_checkpointing: not combined with compiling yet; choose one"
     return None
