@@ -18,9 +18,9 @@ from dr_scale.runtime.process_group import close_distributed
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
                              TrainingStopped)
 from dr_scale.export.hf import load_into
-from dr_scale.models import compile_choice
 from dr_scale.models.build import with_tokenizer_vocab
 from dr_scale.models.kernel_choice import select_kernels
+from dr_scale.parallel import compile_choice
 from dr_scale.parallel.parallelize import parallelize
 from dr_scale.parallel.sharded_build import LOADED_LATER, build_for_run
 from dr_scale.plan import RunPlan, check, start_group

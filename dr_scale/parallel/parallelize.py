@@ -68,7 +68,7 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
                 weights=None, compiled: bool = None) -> Parallelized:
     """`weights`: the init_from folder's (HFWeights) for a model built on meta, LOADED_LATER on a
     resume (zeros, the checkpoint's values come next), or None (the initial values).
-    `compiled`: model.compile settled (models/compile_choice.py); None: model.compile=true."""
+    `compiled`: model.compile settled (parallel/compile_choice.py); None: model.compile=true."""
     p = cfg.parallel
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
     mpu = None  # (1, the refusals: `refusals`, run once in the plan before the process group)
