@@ -29,10 +29,10 @@ class LlamaBlock(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, shape, qkv_bias: bool = False):
+    def __init__(self, shape, qkv_bias: bool = False, block=LlamaBlock):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(LlamaBlock(shape, qkv_bias) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(block(shape, qkv_bias) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.rotary = Rotary(shape.head_dim, shape.max_seq_length, shape.rope_theta,
                              shape.rope_scaling)
@@ -40,11 +40,12 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # biases on the q, k, v projections (a subclass may want them)
+    block = LlamaBlock  # the decoder block (a subclass may swap its MLP)
 
     def __init__(self, shape):
         super().__init__()
         self.shape = shape
-        self.model = LlamaBody(shape, self.qkv_bias)
+        self.model = LlamaBody(shape, self.qkv_bias, self.block)
         self.lm_head = LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
         if shape.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -6,23 +6,21 @@ Parameter names follow transformers' MixtralForCausalLM in memory (model.layers.
 writes and reads keeps one tensor per expert (block_sparse_moe.experts.E.w1.weight): export and
 import slice or stack them (`hf_tensors`).
 """
-import torch
 from torch import nn
 
 from dr_scale.errors import DrScaleError
 from dr_scale.models import llama
 from dr_scale.models.layers import RMSNorm, SelfAttention
-from dr_scale.models.lm_head import logits_or_loss
 from dr_scale.models.moe import SparseMoE, router_losses
 from dr_scale.models.spec import HFFormat, HFTensor, ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
 
 class MixtralBlock(nn.Module):
-    def __init__(self, shape):
+    def __init__(self, shape, qkv_bias: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
-        self.self_attn = SelfAttention(shape, bias=False)
+        self.self_attn = SelfAttention(shape, bias=qkv_bias)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.mlp = SparseMoE(shape.hidden_size, shape.ffn_hidden_size, shape.moe)
 
@@ -31,34 +29,25 @@ class MixtralBlock(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class MixtralBody(llama.LlamaBody):
-    def __init__(self, shape):
-        super().__init__(shape)
-        self.layers = nn.ModuleList(MixtralBlock(shape) for _ in range(shape.num_layers))
-
-
 class MixtralForCausalLM(llama.LlamaForCausalLM):
     """Training: the returned loss is the LM loss plus the router's weighted auxiliary and z
     losses; `loss_parts` keeps the LM loss and the router's figures apart for the loss line.
     Evaluation (not training): the LM loss alone, as for a dense model."""
 
+    block = MixtralBlock
+
     def __init__(self, shape):
         if shape.moe is None:
             raise DrScaleError("model.moe.num_experts: the mixtral family needs experts")
-        nn.Module.__init__(self)
-        self.shape = shape
-        self.model = MixtralBody(shape)
-        self.lm_head = llama.LMHead(shape.hidden_size, shape.vocab_size, shape.loss_chunk)
-        if shape.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.loss_function = llama.causal_lm_loss
+        super().__init__(shape)
         self.loss_parts = {}
 
     def forward(self, input_ids, labels=None, doc_ids=None, position_ids=None):
         out = super().forward(input_ids, labels, doc_ids, position_ids)
         if labels is None or not self.training:
             return out
-        router, figures = router_losses(self, self.shape.moe)
+        router, figures = router_losses([layer.mlp for layer in self.model.layers],
+                                        self.shape.moe)
         self.loss_parts = {"lm_loss": out.detach(), **figures}
         return out + router
 

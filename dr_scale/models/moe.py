@@ -171,14 +171,10 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
 
-def moe_layers(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, SparseMoE)]
-
-
-def router_losses(model: nn.Module, moe: MoEShape):
+def router_losses(blocks, moe: MoEShape):
     """(the coefficient-weighted sum of the router losses to add to the LM loss, the figures
-    for the loss line) from every MoE block's last forward."""
-    stats = [m.stats for m in moe_layers(model) if m.stats is not None]
+    for the loss line) from the last forward of each SparseMoE in `blocks`."""
+    stats = [m.stats for m in blocks if m.stats is not None]
     if not stats:
         return None, {}
     aux = torch.stack([s.aux_loss for s in stats]).mean()

@@ -1,23 +1,12 @@
 """expert_load.png: a mixture of experts' load by layer over the logged steps, from
 metrics.jsonl's `expert_load` (per layer, the busiest expert's assignments over the mean: 1 is
 balanced, the number of experts is one expert taking everything)."""
-from pathlib import Path
-
-from dr_scale.train.metrics import read_metrics
+from dr_scale.train.plot import plot_records
 
 
 def plot_expert_load(run_dir):
     """The picture beside metrics.jsonl, or None for a run without experts."""
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    fig = draw_expert_load(read_metrics(run_dir / "metrics.jsonl"), title=run_dir.name)
-    if fig is None:
-        return None
-    out = run_dir / "expert_load.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return plot_records(run_dir, "expert_load.png", draw_expert_load)
 
 
 def draw_expert_load(recs, title=""):

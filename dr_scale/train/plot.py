@@ -5,11 +5,19 @@ from dr_scale.train.metrics import read_metrics
 
 
 def plot_curves(run_dir) -> Path:
+    return plot_records(run_dir, "curves.png", draw_curves)
+
+
+def plot_records(run_dir, file_name: str, draw):
+    """`draw(records, title)`'s figure of the run's metrics.jsonl saved as `file_name` in the run
+    folder; None where `draw` has nothing to show."""
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    fig = draw_curves(read_metrics(run_dir / "metrics.jsonl"), title=run_dir.name)
-    out = run_dir / "curves.png"
+    fig = draw(read_metrics(run_dir / "metrics.jsonl"), title=run_dir.name)
+    if fig is None:
+        return None
+    out = run_dir / file_name
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
