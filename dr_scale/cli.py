@@ -141,10 +141,10 @@ def cmd_reshard(a):
             stage = dsc.zero_stage(json.loads(snapshot.read_text()))
         except (OSError, ValueError) as e:
             raise DrScaleError(f"{snapshot}: unreadable ({type(e).__name__}); give --zero_stage")
-    tensor, pipeline = saved_parallel_layout(ckpt_dir / tag)
+    tensor, pipeline, expert = saved_parallel_layout(ckpt_dir / tag)
     tensor = a.tensor_parallel or tensor
     pipeline = a.pipeline_parallel or pipeline
-    plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline)
+    plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline, expert=expert)
     if plan == "direct":
         print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, TP "
               f"{tensor} x PP {pipeline}; nothing to convert")
@@ -153,7 +153,8 @@ def cmd_reshard(a):
     print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage}, TP {tensor} x PP "
           f"{pipeline}, with {workers} worker(s)", flush=True)
     t0 = time.time()
-    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers, pipelined=pipeline > 1)
+    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers, pipelined=pipeline > 1,
+                               expert=expert)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     print(f"wrote {out} in {time.time() - t0:.1f} s (largest process {peak:.2f} GiB); "
           f"`--resume` on {a.ranks} rank(s) loads it")

@@ -147,12 +147,15 @@ RUN = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=8",
        "train.warmup_steps=2", "train.log_interval=2", "train.eval_interval=4",
        "train.save_interval=4", "train.eval_samples=16", "train.global_batch_size=8",
        "train.micro_batch_size=2", "logging.tensorboard=false"]
+# the issue's command: each rank holds 4 of each block's 8 experts (tests/test_expert_parallel.py
+# compares the layouts)
+EP = ["parallel.expert_parallel=2"]
 
 
 @pytest.fixture(scope="module")
 def moe_run(cache_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("moe") / "run"
-    launch(["--ds_config", "zero2", "--run_dir", run, *RUN], 2, cache_dir)
+    launch(["--ds_config", "zero2", "--run_dir", run, *RUN, *EP], 2, cache_dir)
     return run
 
 
@@ -167,6 +170,7 @@ def test_run_logs_the_router(moe_run):
         assert len(r["expert_load"]) == 4 and all(1 <= v <= 8 for v in r["expert_load"])
     run = json.loads((moe_run / "run.json").read_text())
     assert run["model"]["shape"]["moe"]["num_experts"] == 8
+    assert run["world"]["expert_parallel"] == 2
 
 
 def test_expert_load_picture_is_the_records(moe_run):
@@ -228,7 +232,8 @@ def test_resume_continues_the_uninterrupted_losses(moe_run, cache_dir, tmp_path)
     losses and router figures."""
     run = tmp_path / "resumed"
     stopped_at(moe_run, run, 4)
-    launch(["--ds_config", "zero2", "--run_dir", run, "--resume", "auto", *RUN], 2, cache_dir)
+    launch(["--ds_config", "zero2", "--run_dir", run, "--resume", "auto", *RUN, *EP], 2,
+           cache_dir)
     want = {r["step"]: r for r in records(moe_run) if "loss" in r and r["step"] > 4}
     got = {r["step"]: r for r in records(run) if "loss" in r and r["step"] > 4}
     assert sorted(got) == [6, 8]

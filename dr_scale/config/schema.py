@@ -136,6 +136,9 @@ class ParallelConfig(Section):
     sequence_parallel: bool = field(False, help="with tensor_parallel > 1: norms and residuals "
                                     "on 1/TP of the sequence (Megatron-LM sequence parallelism)")
     pipeline_parallel: int = field(1, min=1, help="pipeline stages")
+    expert_parallel: int = field(1, min=1, help="mixture of experts: ranks each block's experts "
+                                 "are split over (a divisor of the data-parallel size; the "
+                                 "tokens travel to their experts' ranks by all-to-all)")
     vocab_parallel: bool = field(True, help="with tensor_parallel > 1: split the LM head (and "
                                  "the tied embedding) by vocabulary, loss computed on the slices")
     activation_checkpointing: str = field("none", choices=["none", "full", "selective"],

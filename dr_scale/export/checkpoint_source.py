@@ -14,6 +14,10 @@ A source lists its tensors (name and whole shape, in the model's order) and yiel
   rows (column-parallel, vocabulary rows) are streamed rank after rank; slices joined along
   another dimension are put together for that one tensor.
 - Pipeline: one file per layer (and tensor rank), loaded when its tensors are asked for.
+- Expert parallel (ZeRO-1/2): each expert-data group's optimizer files hold its experts' fp32
+  masters, which DeepSpeed's zero_to_fp32 does not read; its ds_to_universal joins them (one
+  fp32 file per parameter, the experts stacked whole) into a temporary folder, read a tensor at
+  a time.
 """
 import gc
 import math
@@ -127,6 +131,22 @@ class Zero3Source(Source):
                     self.read_bytes += take * 4
                     remaining -= take
                     yield piece
+
+
+class UniversalSource(Source):
+    """The fp32 weights of a checkpoint converted to DeepSpeed's universal form (a folder of one
+    `zero/<name>/fp32.pt` per parameter); `keep` holds what must live as long as the source
+    (the temporary folder)."""
+
+    def __init__(self, folder: Path, shapes: Dict[str, Tuple[int, ...]], keep=None):
+        self.folder, self.keep = Path(folder), keep
+        self.entries = [(n, s) for n, s in shapes.items()
+                        if (self.folder / "zero" / n / "fp32.pt").is_file()]
+
+    def pieces(self, name):
+        value = torch.load(self.folder / "zero" / name / "fp32.pt", map_location="cpu",
+                           weights_only=False, mmap=True)  # DeepSpeed's pickle: {"param": ...}
+        yield from _cut(value["param"].reshape(-1).float())
 
 
 def _nvme_state(tag_dir: Path):

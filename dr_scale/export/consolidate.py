@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from dr_scale.errors import DrScaleError
-from dr_scale.export.checkpoint_source import (PipelineSource, Source, TensorJoin, WholeSource,
-                                               Zero3Source)
+from dr_scale.export.checkpoint_source import (PipelineSource, Source, TensorJoin,
+                                               UniversalSource, WholeSource, Zero3Source)
 from dr_scale.models import build_model
 from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.train.checkpoint import load_ema_state, saved_topology
@@ -69,7 +69,9 @@ def checkpoint_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
     full = _model_shapes(shape)
     layer_files = list(tag_dir.glob("layer_*-model_*-model_states.pt"))
-    if layer_files:
+    if list(tag_dir.glob("layer_*_expert_*_model_states.pt")):  # expert parallel
+        ranks = [_expert_parallel_source(tag_dir, full)]
+    elif layer_files:
         by_rank = {}
         for f in layer_files:
             by_rank.setdefault(int(re.match(r"layer_\d+-model_(\d+)", f.name).group(1)),
@@ -124,6 +126,18 @@ def _one_rank_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
                                 f"({type(e).__name__}: {str(e).splitlines()[0][:120]})")
         return Zero3Source(ckpt_dir, tag, damaged)
     return WholeSource(_zero0_state(tag_dir, shape))
+
+
+def _expert_parallel_source(tag_dir: Path, full: dict) -> Source:
+    """An expert-parallel checkpoint through DeepSpeed's universal form, in a temporary folder
+    beside the checkpoint (the same file system: as large as its weights and moments, gone with
+    the source)."""
+    from dr_scale.train.reshard import default_workers, ds_to_universal
+
+    keep = tempfile.TemporaryDirectory(prefix=".export-", dir=tag_dir.parent)
+    folder = Path(keep.name) / "universal"
+    ds_to_universal(tag_dir, folder, default_workers(tag_dir), show_progress=True)
+    return UniversalSource(folder, full, keep)
 
 
 def _one_tensor_rank(tag_dir: Path, rank: str, shape: ModelShape) -> Source:

@@ -51,6 +51,8 @@ def settle(shape, cfg, zero_stage: int, device, dtype, micro: int, kernels_line:
         return True, (f"compile: each decoder block compiled at the first step (model.compile="
                       f"true; inductor cache {where})")
     problem = compile_problem(zero_stage, cfg.parallel.activation_checkpointing)
+    if cfg.parallel.expert_parallel > 1:
+        problem = "expert parallelism: the all-to-all of the tokens breaks each block's graph"
     if problem:
         return False, f"compile: auto -> eager ({problem})"
     key = cache_key(shape, device, dtype, micro, cfg.data.seq_length, kernels_line)

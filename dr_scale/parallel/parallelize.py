@@ -9,7 +9,8 @@ with the refusals beside them.
     4. compile            torch.compile of each decoder block
     5. pipeline           the model cut into DeepSpeed pipeline stages; under TP each stage's
                           linears split over the pipeline grid's tensor group; without one,
-                          what this rank keeps of a model built on meta made real
+                          this rank's slice of the experts (expert parallel) kept, then what
+                          this rank keeps of a model built on meta made real
     6. sequence parallel  after deepspeed.initialize: `Parallelized.after_engine`
 
 Under tensor or pipeline parallelism the model arrives here on the meta device, and only what
@@ -22,7 +23,7 @@ from torch import nn
 
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
-from dr_scale.parallel import checkpointing, sequence
+from dr_scale.parallel import checkpointing, expert, sequence
 from dr_scale.parallel import pipeline
 from dr_scale.parallel.pipeline import to_pipeline
 from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
@@ -62,6 +63,7 @@ def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
         checkpointing.refusals(ds, source=str(ds_path))
     if cfg.model.compile is True:
         checkpointing.compile_refusals(zero, p.activation_checkpointing)
+    expert.refusals(shape, topo, zero, cfg.model.compile is True, ds_path)
 
 
 def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
@@ -89,5 +91,7 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
         partition = None
         if topo.sliced and dsc.zero_stage(ds) == 3:
             partition = zero3_partitioner(ds, topo.groups.mpu)
+        if topo.experts_split:  # this rank's slice of each block's experts
+            expert.split_experts(model, topo)
         materialize(model, weights, dtype, partition)
     return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6

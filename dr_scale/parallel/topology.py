@@ -26,6 +26,7 @@ class Topology:
     tensor: int = 1
     pipeline: int = 1
     rank: int = 0                    # this process's global rank
+    expert: int = 1                  # ranks a block's experts are split over (within data)
     sequence_parallel: bool = False  # the sequence split over the tensor group
     groups: Optional["ProcessGroups"] = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -38,11 +39,16 @@ class Topology:
                 f"parallel: tensor_parallel={self.tensor} x pipeline_parallel={self.pipeline} does "
                 f"not divide the world of {self.world} ranks; data parallel is the rest, so the "
                 f"world must be a multiple of {self.tensor * self.pipeline}")
+        if self.expert < 1 or self.data % self.expert:
+            raise DrScaleError(
+                f"parallel.expert_parallel={self.expert}: expected a divisor of the data-parallel "
+                f"size {self.data} (the experts are split over data-parallel ranks, which hold "
+                f"the other parameters whole)")
 
     @classmethod
     def from_config(cls, world: int, parallel_cfg, rank: int = 0) -> "Topology":
         return cls(world, parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel, rank,
-                   parallel_cfg.sequence_parallel)
+                   parallel_cfg.expert_parallel, parallel_cfg.sequence_parallel)
 
     def with_world(self, world: int) -> "Topology":
         """The same layout over `world` ranks (the memory check's what-if: more ranks)."""
@@ -69,6 +75,16 @@ class Topology:
         return self.coords()["tensor"]
 
     @property
+    def expert_rank(self) -> int:
+        """Which slice of each block's experts this rank holds: consecutive data-parallel ranks
+        form an expert-parallel group (DeepSpeed's expert/data layout)."""
+        return self.data_rank % self.expert
+
+    @property
+    def experts_split(self) -> bool:
+        return self.expert > 1
+
+    @property
     def sliced(self) -> bool:
         """The linears are split over a tensor-parallel group."""
         return self.tensor > 1
@@ -93,7 +109,7 @@ class Topology:
     def builds_on_meta(self) -> bool:
         """The model is built on the meta device and only this rank's slices of its stage are
         made real (parallel/sharded_build.py)."""
-        return self.sliced or self.pipelined
+        return self.sliced or self.pipelined or self.experts_split
 
     def head_slices(self, vocab_parallel: bool) -> int:
         """Vocabulary slices of the LM head: the tensor group's size when parallel.vocab_parallel
@@ -101,7 +117,9 @@ class Topology:
         return self.tensor if vocab_parallel and self.autotp else 1
 
     def describe(self) -> str:
-        return f"DP {self.data} x TP {self.tensor} x PP {self.pipeline} = {self.world} rank(s)"
+        ep = f" (EP {self.expert} within DP)" if self.experts_split else ""
+        return (f"DP {self.data} x TP {self.tensor} x PP {self.pipeline} = {self.world} "
+                f"rank(s){ep}")
 
     def with_groups(self) -> "Topology":
         """This rank's Topology with its process groups made (once, after the process group
@@ -113,6 +131,11 @@ class Topology:
         """This rank's tensor-parallel process group (None without tensor parallelism)."""
         return self.groups.tensor if self.groups is not None else None
 
+    @property
+    def expert_group(self):
+        """This rank's expert-parallel process group (None without expert parallelism)."""
+        return self.groups.expert if self.groups is not None else None
+
 
 @dataclass(frozen=True)
 class ProcessGroups:
@@ -123,9 +146,17 @@ class ProcessGroups:
     mpu: Any = None            # deepspeed.utils.groups with its mesh made (AutoTP), else None
     tensor: Any = None         # this rank's tensor-parallel group
     pipe_topology: Any = None  # DeepSpeed's PipeModelDataParallelTopology (pipelined)
+    expert: Any = None         # this rank's expert-parallel group
 
     @classmethod
     def make(cls, topo: Topology) -> "ProcessGroups":
+        if topo.experts_split:  # (refused with tensor or pipeline parallelism: expert.py)
+            from deepspeed.utils import groups
+
+            # DeepSpeed's expert and expert-data groups, which its ZeRO-1/2 optimizer reduces
+            # the experts' gradients over; its engine finds them by this name
+            groups._create_expert_and_data_parallel(expert_parallel_size_=topo.expert)
+            return cls(expert=groups._get_expert_parallel_group(f"ep_size_{topo.expert}"))
         if topo.autotp:
             from deepspeed.utils import groups
 

@@ -158,12 +158,14 @@ def saved_zero_family(tag_dir: Path) -> int:
 
 
 def saved_parallel_layout(tag_dir: Path) -> tuple:
-    """(tensor_parallel, pipeline_parallel) the checkpoint was written with: from our rank-0
-    state, or, in checkpoints older than that field, the tensor ranks of DeepSpeed's file names."""
+    """(tensor_parallel, pipeline_parallel, expert_parallel) the checkpoint was written with:
+    from our rank-0 state, or, in checkpoints older than those fields, the tensor ranks of
+    DeepSpeed's file names (and no expert parallelism)."""
     state = _rank0_state(tag_dir)
     if "parallel" in state:
-        return state["parallel"]["tensor"], state["parallel"]["pipeline"]
-    return max(1, len(tensor_ranks(tag_dir))), 1
+        p = state["parallel"]
+        return p["tensor"], p["pipeline"], p.get("expert", 1)
+    return max(1, len(tensor_ranks(tag_dir))), 1, 1
 
 
 def saved_sub_group_size(tag_dir: Path) -> int:
@@ -191,8 +193,8 @@ def _rank0_state(tag_dir: Path) -> dict:
 
 def saved_topology(tag_dir: Path) -> Topology:
     """The layout of the ranks that wrote the checkpoint (export reads slices by it)."""
-    tensor, pipeline = saved_parallel_layout(Path(tag_dir))
-    return Topology(ranks_written(Path(tag_dir)), tensor, pipeline)
+    tensor, pipeline, expert = saved_parallel_layout(Path(tag_dir))
+    return Topology(ranks_written(Path(tag_dir)), tensor, pipeline, expert=expert)
 
 
 def tensor_ranks(tag_dir: Path) -> list:
@@ -202,12 +204,14 @@ def tensor_ranks(tag_dir: Path) -> list:
 
 
 def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int,
-                  pipelined: bool = False) -> Path:
+                  pipelined: bool = False, expert: int = 1) -> Path:
     """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank; a
-    pipeline names its parameters by layer and loads its weights from layer files)."""
+    pipeline names its parameters by layer and loads its weights from layer files; expert
+    parallelism keeps the experts in optimizer groups of their own)."""
     family = "zero3" if target_stage == 3 else "zero12"
     name = f"{family}-{world_size}ranks" if target_stage == 3 else family
-    return Path(ckpt_dir) / "universal" / (name + ("-pipeline" if pipelined else ""))
+    return Path(ckpt_dir) / "universal" / (name + ("-pipeline" if pipelined else "")
+                                           + (f"-ep{expert}" if expert > 1 else ""))
 
 
 def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
@@ -219,7 +223,8 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
     rank = topology.rank
     tag = tag or find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined)
+    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined,
+                              topology.expert)
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)
     state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)

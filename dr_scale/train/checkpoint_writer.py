@@ -114,6 +114,8 @@ class CheckpointWriter:
         info = dict(getattr(self.engine.module, UNIVERSAL_CHECKPOINT_INFO, None) or {})
         info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
         client_state = {"dr_scale_step": step, UNIVERSAL_CHECKPOINT_INFO: info}
+        if self.engine.has_moe_layers:  # its expert-parallel save writes the record itself
+            del client_state[UNIVERSAL_CHECKPOINT_INFO]   # (from the module's) and refuses ours
         self.ledger.take()
         try:
             self.engine.save_checkpoint(str(staging), tag=tag, client_state=client_state,

@@ -17,8 +17,10 @@ def param_groups(model, weight_decay: float):
     ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
     decay = [p for p in model.parameters() if ndim(p) >= 2]
     no_decay = [p for p in model.parameters() if ndim(p) < 2]
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    from dr_scale.parallel.expert import expert_groups
+
+    return expert_groups([{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+                          {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
 
 
 def default_optimizer(ds: dict, groups, train_cfg) -> Optional[torch.optim.Optimizer]:

@@ -34,7 +34,7 @@ FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on it
 
 def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
                  tensor: int = 1, pipeline: int = 1, target_nvme: bool = False,
-                 sub_group_size: Optional[int] = None):
+                 sub_group_size: Optional[int] = None, expert: int = 1):
     """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
     checkpoint, converted on first use); one line of error where neither can work.
     `target_nvme`: the run keeps its optimizer state on NVMe (offload_optimizer.device=nvme);
@@ -45,11 +45,11 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     saved = saved_parallel_layout(tag_dir)
     family = saved_zero_family(tag_dir)
     target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
-    layout_changes = saved != (tensor, pipeline) or (
+    layout_changes = saved != (tensor, pipeline, expert) or (
         max(saved) > 1 and (written != world_size or family != target))
     if layout_changes:
-        _refuse_layout_change(tag_dir, saved, (tensor, pipeline), written, world_size, family,
-                              target_stage)
+        _refuse_layout_change(tag_dir, saved, (tensor, pipeline, expert), written, world_size,
+                              family, target_stage)
     shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
         raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
@@ -94,8 +94,9 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
     the rank's slice by the AutoTP metadata our build keeps on its parameters (universal.py says
     what the two families' forms need). Tested exact in tests/test_reshard.py: TP x PP both
     ways, DP x TP at ZeRO-3 <-> DP at ZeRO-1, a pipeline to ZeRO-3."""
-    was = f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} on {written} rank(s)"
-    now = f"{target[0]} x {target[1]} on {world_size} at ZeRO-{target_stage}"
+    was = (f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} (expert_parallel="
+           f"{saved[2]}) on {written} rank(s)")
+    now = f"{target[0]} x {target[1]} ({target[2]}) on {world_size} at ZeRO-{target_stage}"
     way_out = ("resume it on its own layout, or `dr-scale export` the weights and start a run "
                "from them with model.init_from (a fresh optimizer)")
     if 0 in (family, target_stage):
@@ -155,8 +156,8 @@ def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
 
 
 def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                    pipelined: bool = False) -> bool:
-    return (universal_dir(ckpt_dir, target_stage, world_size, pipelined) / tag /
+                    pipelined: bool = False, expert: int = 1) -> bool:
+    return (universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert) / tag /
             STATE_FILE.format(rank=0)).is_file()
 
 
@@ -183,7 +184,7 @@ def _largest_joined_tensor(tag_dir: Path) -> int:
 
 def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
                          workers: Optional[int] = None, show_progress: bool = True,
-                         pipelined: bool = False) -> Path:
+                         pipelined: bool = False, expert: int = 1) -> Path:
     """Run DeepSpeed's ds_to_universal once per tag and target, then adapt it to the target's
     ZeRO family if the source was the other one; our rank-0 state goes along. DeepSpeed's
     progress bars (percent, rate, ETA) go to stderr. A failure leaves a one-line note for the
@@ -192,8 +193,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
 
     ckpt_dir = Path(ckpt_dir)
     source = saved_zero_family(ckpt_dir / tag)
-    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined) / tag
-    if universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined):
+    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert) / tag
+    if universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined, expert):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = out.parent / FAILED.format(tag=tag)
@@ -202,7 +203,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
     tmp = out.parent / f".{tag}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _ds_to_universal(ckpt_dir / tag, tmp, workers, show_progress)
+        ds_to_universal(ckpt_dir / tag, tmp, workers, show_progress)
         if source == 3 and target_stage in (1, 2):
             universal.zero3_to_zero12(tmp)
         elif source == 1 and target_stage == 3:
@@ -218,6 +219,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
             universal.from_pipeline_names(tmp, signature)
         if pipelined:
             universal.to_pipeline_names(tmp, signature)
+        if target_stage in (1, 2) and saved_parallel_layout(ckpt_dir / tag)[2] != expert:
+            universal.to_expert_groups(tmp, expert)
         shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
     except DrScaleError as e:
         failed.write_text(str(e) + "\n")
@@ -228,7 +231,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
     return out
 
 
-def _ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool):
+def ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool):
     cmd = [sys.executable, "-m", "dr_scale.train.universal_stream", "--input_folder",
            str(tag_dir), "--output_folder", str(out), "--num_extract_workers", str(workers),
            "--num_merge_workers", str(workers)]
@@ -254,13 +257,14 @@ def _ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool
 
 
 def wait_for_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                       stall_s: int, poll_s: float = 0.5, pipelined: bool = False):
+                       stall_s: int, poll_s: float = 0.5, pipelined: bool = False,
+                       expert: int = 1):
     """Another rank converts (before any process group exists): wait for its output; give up
     with its error line, or when the conversion has written nothing for `stall_s` seconds."""
-    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined)
+    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert)
     failed = out / FAILED.format(tag=tag)
     last_change, last_size = time.monotonic(), -1
-    while not universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined):
+    while not universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined, expert):
         if failed.is_file():
             raise DrScaleError(failed.read_text().strip())
         size = _bytes_under(out / f".{tag}.tmp")

@@ -65,6 +65,7 @@ class ResumePlan:
     mode: str
     zero_stage: int
     pipelined: bool = False  # the resumed run's (its universal form is named for a pipeline)
+    expert: int = 1          # the resumed run's expert-parallel size (its own optimizer groups)
 
 
 def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePlan:
@@ -73,9 +74,9 @@ def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePl
     stage = dsc.zero_stage(ds)
     mode = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
                         target_nvme=nvme_offload.optimizer_on_nvme(ds),
-                        sub_group_size=dsc.sub_group_size(ds))
+                        sub_group_size=dsc.sub_group_size(ds), expert=topo.expert)
     step, consumed = saved_position(ckpt_dir / tag)
-    return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage, topo.pipelined)
+    return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage, topo.pipelined, topo.expert)
 
 
 def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
@@ -108,14 +109,17 @@ def convert_before_group(plan: ResumePlan, world: int, timeout_s: int):
     DeepSpeed's universal format before the process group exists, by global rank 0 (the others
     wait for its output on the shared file system), so no collective waits on the conversion."""
     ckpt_dir, tag, stage, pipelined = plan.ckpt_dir, plan.tag, plan.zero_stage, plan.pipelined
-    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world, pipelined):
+    expert = plan.expert
+    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world, pipelined,
+                                                   expert):
         return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-{stage} "
               f"(DeepSpeed universal checkpoint; `dr-scale reshard` does this ahead of a job)",
               flush=True)
         t0 = time.time()
-        convert_to_universal(ckpt_dir, tag, stage, world, pipelined=pipelined)
+        convert_to_universal(ckpt_dir, tag, stage, world, pipelined=pipelined, expert=expert)
         print(f"dr_scale: resharded in {time.time() - t0:.1f} s", flush=True)
     else:
-        wait_for_universal(ckpt_dir, tag, stage, world, stall_s=timeout_s, pipelined=pipelined)
+        wait_for_universal(ckpt_dir, tag, stage, world, stall_s=timeout_s, pipelined=pipelined,
+                           expert=expert)

@@ -49,7 +49,8 @@ def write_run_snapshot(plan, group, ds: dict, shape, facts: RunFacts, sources):
     write_snapshot(snap_dir, plan.cfg, ds, {
         "world": {"world_size": t.world, "ranks_per_node": group.local_world,
                   "data_parallel": t.data, "tensor_parallel": t.tensor,
-                  "pipeline_parallel": t.pipeline, "device": group.device.type,
+                  "pipeline_parallel": t.pipeline, "expert_parallel": t.expert,
+                  "device": group.device.type,
                   "backend": dist.get_backend()},
         "model": {"shape": dataclasses.asdict(shape), "parameters": facts.parameters,
                   "flops_per_token": facts.flops_per_token,

@@ -83,7 +83,8 @@ class Trainer:
                 "global_batch": self.batch_sizes["global"],
                 "model": self.model_signature, "rng": checkpoint.rng_state(),
                 "parallel": {"tensor": self.topology.tensor,
-                             "pipeline": self.topology.pipeline},
+                             "pipeline": self.topology.pipeline,
+                             "expert": self.topology.expert},
                 # ZeRO-3 lays its optimizer state out by sub-groups of this size
                 "zero_sub_group_size": int(self.engine.zero_sub_group_size()),
                 "callbacks": self.callbacks.state_dict()}  # keyed by callback name

@@ -10,6 +10,7 @@ as dicts, adding the step count and global optimizer keys the other loader asks 
 providing the model-states files under the names it opens. The values themselves are not
 touched.
 """
+import re
 import shutil
 from pathlib import Path
 
@@ -160,3 +161,46 @@ def to_pipeline_names(udir: Path, signature: dict):
     for layer, entries in sorted(by_layer.items()):
         state = {key: _load(path)["param"] for key, path in entries}
         torch.save(state, Path(udir) / f"layer_{layer:02d}-model_00-model_states.pt")
+
+
+# Expert parallelism keeps the experts' parameters in optimizer groups of their own (DeepSpeed's
+# `moe` groups, appended after the others: parallel/expert.py); the universal form carries the
+# saved run's groups (their hyperparameters, and the LR scheduler's one entry per group).
+EXPERT_PARAMETER = re.compile(r"\.mlp\.experts\.w[123]$")
+
+
+def to_expert_groups(udir: Path, expert: int):
+    """Re-lay a ZeRO-1/2 universal form's optimizer groups for a run with `expert`-way expert
+    parallelism (1: none): the saved `moe` groups dropped, or one added with the weight-decayed
+    group's hyperparameters (the experts are matrices); the experts' files marked as DeepSpeed's
+    loader cuts them to a rank's experts. The values are not touched."""
+    from deepspeed.checkpoint.constants import EP_IS_EXPERT_PARAM, EP_NUM_EXPERTS
+
+    opt_path = udir / "zero" / "optimizer_state.pt"
+    opt = _load(opt_path)
+    groups = opt["param_groups"]
+    order = [i for i, g in enumerate(groups) if not g.get("moe")]
+    if expert > 1:
+        order.append(next(i for i in order if groups[i].get("weight_decay")))
+    opt["param_groups"] = [dict(groups[i]) for i in order]
+    if expert > 1:
+        opt["param_groups"][-1].update(name=f"ep_size_{expert}", moe=True)
+    for key in ("group_paddings", "partition_count", "param_alignment_paddings"):
+        if isinstance(opt.get(key), list) and len(opt[key]) == len(groups):
+            opt[key] = [opt[key][i] for i in order]
+    torch.save(opt, opt_path)
+    for states in Path(udir).glob("mp_rank_*_model_states.pt"):
+        ms = _load(states)
+        scheduler = ms.get("lr_scheduler") or {}
+        for key, value in scheduler.items():
+            if isinstance(value, list) and len(value) == len(groups):
+                scheduler[key] = [value[i] for i in order]
+        torch.save(ms, states)
+    if expert > 1:
+        for folder in (udir / "zero").iterdir():
+            if EXPERT_PARAMETER.search(folder.name):
+                for f in folder.glob("*.pt"):
+                    t = _load(f)
+                    if isinstance(t, dict) and "param" in t:
+                        t.update({EP_IS_EXPERT_PARAM: True, EP_NUM_EXPERTS: t["param"].shape[0]})
+                        torch.save(t, f)

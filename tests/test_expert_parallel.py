@@ -1,0 +1,134 @@
+"""Expert parallelism (parallel/expert.py): moe_tiny in fp32 at ZeRO-2, drop-free, the same
+micro-batches of 2 in every layout (so the router's auxiliary loss, computed per micro-batch, is
+the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated) and EP 2 x DP 2 on 4
+ranks give the same losses over 6 steps within 1e-5 relative; a resume on the same layout
+continues them exactly, a resume on another expert-parallel size (both ways, through DeepSpeed's
+universal form) within 1e-5; the export of an EP run is scored by transformers as the run scored
+itself; the combinations DeepSpeed or we cannot run are one-line errors before any group."""
+import json
+
+import pytest
+
+from dr_scale.config import ds_config as dsc
+from dr_scale.config.schema import RunConfig
+from dr_scale.errors import DrScaleError
+from dr_scale.models import resolve_shape
+from dr_scale.parallel import parallelize
+from dr_scale.parallel.topology import Topology
+from tests.conftest import launch, stopped_at
+from tests.test_export import export
+from tests.test_train_distributed import fp32_config, records
+
+COMMON = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=6",
+          "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=6",
+          "train.save_interval=3", "train.eval_samples=16", "train.global_batch_size=8",
+          "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
+LAYOUTS = {"1 rank": (1, 1), "EP 2": (2, 2), "EP 2 x DP 2": (4, 2)}  # name: (ranks, EP)
+
+
+@pytest.fixture(scope="module")
+def ep_runs(cache_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("ep")
+    ds = fp32_config(base, 2)
+    runs = {}
+    for name, (ranks, ep) in LAYOUTS.items():
+        runs[name] = base / name.replace(" ", "_")
+        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON,
+                f"parallel.expert_parallel={ep}"], ranks, cache_dir)
+    return ds, runs
+
+
+def losses(run, after=0):
+    return {r["step"]: r for r in records(run) if "loss" in r and r["step"] > after}
+
+
+def test_layouts_give_the_same_losses(ep_runs):
+    _, runs = ep_runs
+    want = losses(runs["1 rank"])
+    assert sorted(want) == [1, 2, 3, 4, 5, 6] and want[6]["loss"] < want[1]["loss"] - 1
+    for name in ("EP 2", "EP 2 x DP 2"):
+        got = losses(runs[name])
+        assert sorted(got) == sorted(want), name
+        for step, r in got.items():
+            assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
+            # the norm amplifies summation-order rounding (1e-5 .. 5e-4 measured between
+            # layouts); experts' gradients scaled by the wrong group size would move it by far more
+            assert r["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-3), (name, step)
+    run = json.loads((runs["EP 2 x DP 2"] / "run.json").read_text())["world"]
+    assert (run["data_parallel"], run["expert_parallel"]) == (4, 2)
+    # every rank wrote its own experts: 4 layers x 8 experts, one file each
+    assert len(list((runs["EP 2"] / "checkpoints" / "step_00000006").glob(
+        "layer_*_expert_*_model_states.pt"))) == 32
+
+
+@pytest.mark.parametrize("source, ranks, ep", [("EP 2", 2, 2), ("EP 2", 2, 1),
+                                               ("1 rank", 2, 2)])
+def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_dir, tmp_path,
+                                                               source, ranks, ep):
+    """Stopped after step 3's checkpoint, resumed: on its own layout the same numbers; with
+    another expert-parallel size through the universal form, within 1e-5 (the layouts' own
+    difference)."""
+    ds, runs = ep_runs
+    run = tmp_path / "resumed"
+    stopped_at(runs[source], run, 3)
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
+                   f"parallel.expert_parallel={ep}"], ranks, cache_dir)
+    same_layout = LAYOUTS[source] == (ranks, ep)
+    assert ("resharding" in proc.stdout) != same_layout, proc.stdout[-2000:]
+    want, got = losses(runs[source], after=3), losses(run, after=3)
+    assert sorted(got) == [4, 5, 6]
+    for step, r in got.items():
+        if same_layout:
+            assert r["loss"] == want[step]["loss"], step
+        else:
+            assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+
+
+def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path):
+    from dr_scale.export.score import score
+
+    _, runs = ep_runs
+    out = tmp_path / "hf"
+    proc = export(runs["EP 2 x DP 2"], out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    scored = score(out, runs["EP 2 x DP 2"])
+    assert scored.relative_difference < 1e-4, scored.as_dict()  # fp32 both
+    assert not list((runs["EP 2 x DP 2"] / "checkpoints").glob(".export-*"))  # cleaned up
+
+
+@pytest.mark.parametrize("preset, world, ep, ds, extra, pattern", [
+    ("tiny", 2, 2, "zero2", {}, r"parallel\.expert_parallel=2: the model has no experts"),
+    ("moe_tiny", 4, 3, "zero2", {}, r"expected a divisor of the data-parallel size 4"),
+    ("moe_tiny", 8, 8, "zero2", {"moe.num_experts": 6}, r"must divide model\.moe\.num_experts=6"),
+    ("moe_tiny", 4, 2, "zero3", {}, r"zero3\.json: zero_optimization\.stage=3 with parallel\."
+                                    r"expert_parallel=2: .* use zero1 or zero2"),
+    ("moe_tiny", 4, 2, "zero2", {"tensor": 2}, r"tensor_parallel=2 x pipeline_parallel=1: "
+                                               r"expert parallelism runs beside data"),
+    ("moe_tiny", 2, 2, "zero2", {"compile": True}, r"model\.compile=true with parallel\.expert_"),
+])
+def test_refusals_are_one_line(preset, world, ep, ds, extra, pattern):
+    cfg = RunConfig()
+    cfg.model.preset = preset
+    cfg.parallel.expert_parallel = ep
+    cfg.parallel.tensor_parallel = extra.get("tensor", 1)
+    cfg.model.compile = extra.get("compile", False)
+    if "moe.num_experts" in extra:
+        cfg.model.moe.num_experts = extra["moe.num_experts"]
+    path = dsc.resolve_path(ds)
+    ds_dict = dsc.read_json(path)
+    with pytest.raises(DrScaleError, match=pattern) as e:
+        topo = Topology.from_config(world, cfg.parallel)
+        parallelize.refusals(resolve_shape(cfg.model), topo, cfg, ds_dict, path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_refusal_stops_the_command_in_one_line(cache_dir, tmp_path):
+    """As users meet it: `python launchers/pretrain.py ... parallel.expert_parallel=2` is one
+    process, which cannot split experts; the error comes before any group starts."""
+    proc = launch(["--ds_config", "zero2", "--run_dir", tmp_path / "run", *COMMON,
+                   "parallel.expert_parallel=2"], 1, cache_dir, check=False, launcher="python")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "divisor of the data-parallel size 1" in errors[0], \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
