@@ -203,3 +203,27 @@ def test_parameters_on_nvme_are_counted_as_deepspeed_keeps_them(tmp_path, monkey
     assert gpu["parameters"] == 0 and gpu["host_offload"] == \
         (100_000_000 + 5 * 100_000_000 + 20_000_000 * 8) * 2  # bf16 on a GPU
     assert gpu["total"] == gpu_optimizer_only["total"] - gpu_optimizer_only["parameters"]
+
+
+def test_expert_parallelism_counts_the_experts_a_rank_holds():
+    """mixtral_8x7b at ZeRO-2 on 8 ranks: with EP 8 a rank's working copy is what the real
+    split (parallel/expert.py, on meta) leaves it; the partitioned optimizer state is 1/8 of the
+    whole model in both layouts (ZeRO partitions the experts over the DP/EP ranks holding them)."""
+    from dr_scale.config.schema import RunConfig
+    from dr_scale.models import build_model, resolve_shape
+    from dr_scale.parallel.expert import split_experts
+    from dr_scale.parallel.topology import Topology
+
+    big = ["model.preset=mixtral_8x7b", "train.micro_batch_size=1", "data.seq_length=4096"]
+    dense = estimate("zero2", 8, *big, device="cuda")
+    split = estimate("zero2", 8, *big, "parallel.expert_parallel=8", device="cuda")
+    cfg = RunConfig()
+    cfg.model.preset = "mixtral_8x7b"
+    model = build_model(resolve_shape(cfg.model), device="meta")
+    whole = sum(p.numel() for p in model.parameters())
+    split_experts(model, Topology(8, expert=8, rank=3))
+    held = sum(p.numel() for p in model.parameters())
+    assert held < whole / 4  # the experts are most of Mixtral
+    assert dense["parameters"] == pytest.approx(2 * whole, rel=1e-3)
+    assert split["parameters"] == pytest.approx(2 * held, rel=1e-3)
+    assert split["optimizer_states"] == pytest.approx(dense["optimizer_states"], rel=1e-9)

@@ -2,7 +2,9 @@
 
 What is counted, per rank, for AdamW under DeepSpeed:
 - parameters: the working copy the forward reads (bf16/fp16, or fp32), sharded by tensor
-  parallel and, under ZeRO-3, by data parallel;
+  parallel and, under ZeRO-3, by data parallel; a mixture of experts' experts by expert
+  parallelism (1/EP of them on a rank; ZeRO-1/2 partitions them over the DP/EP ranks holding the
+  same ones, so a rank's partitions of the optimizer state and gradients stay 1/DP of all);
 - gradients: the working-precision gradients (ZeRO-2/3: this rank's partition) plus the fp32
   gradient DeepSpeed makes for the step: under mixed precision (ZeRO-0: whole; ZeRO-1/2:
   partition; ZeRO-3: one `sub_group_size` sub-group of the partition at a time,
@@ -167,6 +169,12 @@ class EstimateInputs:
     param_buffer_size: float = 1e8
 
 
+def expert_parameters(shape) -> int:
+    """Parameters of the experts of every mixture-of-experts block (0 for a dense model)."""
+    return sum(p.numel() for name, p in meta_model(shape).named_parameters()
+               if ".mlp.experts." in name)
+
+
 def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
     """Per-rank bytes for `shape` trained as `inputs` says (see the module's text)."""
     i, topo = inputs, inputs.topology
@@ -181,10 +189,13 @@ def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
     sharded, replicated = split_parameters(shape, tp, slices > 1)
     n = sharded / tp + replicated  # parameters this tensor-parallel rank holds
     n /= pp  # a stage holds its share of the layers (balanced by parameters)
+    # expert parallelism: a rank holds 1/EP of the experts whole; ZeRO partitions them over the
+    # DP/EP ranks holding the same ones, so a rank's partitions stay n / DP
+    held = n - expert_parameters(shape) * (1 - 1 / topo.expert)
 
     zero_div = dp if zero_stage >= 1 else 1
-    parameters = n * lp / (dp if zero_stage == 3 else 1)
-    grads_lp = n * lp / (dp if zero_stage >= 2 else 1)
+    parameters = (n / dp if zero_stage == 3 else held) * lp
+    grads_lp = (n / dp if zero_stage >= 2 else held) * lp
     # DeepSpeed's fp32 gradient (partition) and master weights: see the module's docstring
     grads_fp32 = (n * 4 / zero_div) if mixed or zero_stage >= 1 else 0
     step_flat = 0  # the step's fp32 gradient as one tensor (what `largest_transient` weighs)
@@ -245,7 +256,7 @@ def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
         startup = runtime + largest_tensor(shape) * (4 + lp) + parameters + param_swap
     elif topo.builds_on_meta:  # built on meta: this rank's slices of its stage, made real in the
         #                     training precision, one tensor whole in fp32 while it is cut
-        startup = runtime + n * lp + largest_tensor(shape) * 4
+        startup = runtime + held * lp + largest_tensor(shape) * 4
     else:  # the whole model in fp32 on every rank, then its cast copy tensor by tensor
         startup = runtime + (sharded + replicated) * 4 + largest_tensor(shape) * lp
     transient, what = largest_transient(shape, tokens, lp, fused=fused, slices=slices,
