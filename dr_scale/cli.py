@@ -127,7 +127,7 @@ def cmd_reshard(a):
     from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
 
     if a.to:
-        a.ranks, a.tensor_parallel, a.pipeline_parallel = parse_layout(a.to)
+        a.ranks, a.tensor_parallel, a.pipeline_parallel, a.expert_parallel = parse_layout(a.to)
     elif a.ranks is None:
         raise DrScaleError("reshard: give --ranks N (with --tensor_parallel, --pipeline_parallel) "
                            "or --to \"dp=2 tp=1 pp=2\"")
@@ -144,14 +144,15 @@ def cmd_reshard(a):
     tensor, pipeline, expert = saved_parallel_layout(ckpt_dir / tag)
     tensor = a.tensor_parallel or tensor
     pipeline = a.pipeline_parallel or pipeline
+    expert = a.expert_parallel or expert
     plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline, expert=expert)
     if plan == "direct":
         print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, TP "
-              f"{tensor} x PP {pipeline}; nothing to convert")
+              f"{tensor} x PP {pipeline} (EP {expert}); nothing to convert")
         return
     workers = a.workers or default_workers(ckpt_dir / tag)
     print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage}, TP {tensor} x PP "
-          f"{pipeline}, with {workers} worker(s)", flush=True)
+          f"{pipeline} (EP {expert}), with {workers} worker(s)", flush=True)
     t0 = time.time()
     out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers, pipelined=pipeline > 1,
                                expert=expert)
@@ -161,15 +162,18 @@ def cmd_reshard(a):
 
 
 def parse_layout(text: str) -> tuple:
-    """"dp=2 tp=1 pp=2" -> (ranks, tensor, pipeline)."""
-    sizes = {"dp": 1, "tp": 1, "pp": 1}
+    """"dp=2 tp=1 pp=2 ep=1" -> (ranks, tensor, pipeline, expert); ep splits the experts
+    within dp, so it adds no ranks."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "ep": 1}
     for part in text.replace(",", " ").split():
         key, _, value = part.partition("=")
         if key not in sizes or not value.isdigit() or int(value) < 1:
-            raise DrScaleError(f"--to {text!r}: expected sizes like \"dp=2 tp=1 pp=2\" (dp, tp, "
-                               f"pp, each a whole number >= 1), got {part!r}")
+            raise DrScaleError(f"--to {text!r}: expected sizes like \"dp=2 tp=1 pp=2 ep=1\" (dp, "
+                               f"tp, pp, ep, each a whole number >= 1), got {part!r}")
         sizes[key] = int(value)
-    return sizes["dp"] * sizes["tp"] * sizes["pp"], sizes["tp"], sizes["pp"]
+    if sizes["dp"] % sizes["ep"]:
+        raise DrScaleError(f"--to {text!r}: ep={sizes['ep']} must divide dp={sizes['dp']}")
+    return sizes["dp"] * sizes["tp"] * sizes["pp"], sizes["tp"], sizes["pp"], sizes["ep"]
 
 
 def cmd_verify(a):
@@ -240,14 +244,16 @@ def cmd_estimate(a):
     if a.json:
         print(json.dumps({"preset": cfg.model.preset, "ds_config": str(path), "ranks": a.ranks,
                           "tensor_parallel": tp, "pipeline_parallel": pp,
+                          "expert_parallel": topo.expert,
                           "micro_batch_size": cfg.train.micro_batch_size,
                           "seq_length": cfg.data.seq_length,
                           "activation_checkpointing": cfg.parallel.activation_checkpointing,
                           "bytes_per_rank": sizes,
                           "largest_transient_is": est.transient_is}, indent=2))
         return
-    print(f"{cfg.model.preset} on {a.ranks} {a.device} rank(s), {path.name}, TP {tp} x PP {pp}, "
-          f"micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length} tokens, "
+    ep = f" (EP {topo.expert})" if topo.experts_split else ""
+    print(f"{cfg.model.preset} on {a.ranks} {a.device} rank(s), {path.name}, TP {tp} x PP "
+          f"{pp}{ep}, micro-batch {cfg.train.micro_batch_size} x {cfg.data.seq_length} tokens, "
           f"checkpointing {cfg.parallel.activation_checkpointing}; per rank:")
     for key, value in sizes.items():
         if key == "host_offload" and not value:
@@ -323,13 +329,16 @@ def build_parser():
                         "ZeRO stage, ahead of the job that resumes it")
     rs.add_argument("--run_dir", required=True)
     rs.add_argument("--ranks", type=int, default=None, help="the world size of the resumed run")
-    rs.add_argument("--to", default=None, help="the resumed run's layout, \"dp=2 tp=1 pp=2\" "
-                    "(instead of --ranks, --tensor_parallel, --pipeline_parallel)")
+    rs.add_argument("--to", default=None, help="the resumed run's layout, \"dp=2 tp=1 pp=2 "
+                    "ep=1\" (instead of --ranks, --tensor_parallel, --pipeline_parallel, "
+                    "--expert_parallel)")
     rs.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=None,
                     help="of the resumed run (default: the run's own ds_config.json)")
     rs.add_argument("--tensor_parallel", type=int, default=None,
                     help="of the resumed run (default: the checkpoint's own; ZeRO-1/2)")
     rs.add_argument("--pipeline_parallel", type=int, default=None,
+                    help="of the resumed run (default: the checkpoint's own; ZeRO-1/2)")
+    rs.add_argument("--expert_parallel", type=int, default=None,
                     help="of the resumed run (default: the checkpoint's own; ZeRO-1/2)")
     rs.add_argument("--step", type=int, default=None,
                     help="default: the latest checkpoint, the one --resume loads")

@@ -6,6 +6,8 @@ continues them exactly, a resume on another expert-parallel size (both ways, thr
 universal form) within 1e-5; the export of an EP run is scored by transformers as the run scored
 itself; the combinations DeepSpeed or we cannot run are one-line errors before any group."""
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -61,20 +63,25 @@ def test_layouts_give_the_same_losses(ep_runs):
         "layer_*_expert_*_model_states.pt"))) == 32
 
 
-@pytest.mark.parametrize("source, ranks, ep", [("EP 2", 2, 2), ("EP 2", 2, 1),
-                                               ("1 rank", 2, 2)])
+@pytest.mark.parametrize("source, ranks, ep, ahead", [("EP 2", 2, 2, False), ("EP 2", 2, 1, True),
+                                                      ("1 rank", 2, 2, False)])
 def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_dir, tmp_path,
-                                                               source, ranks, ep):
+                                                               source, ranks, ep, ahead):
     """Stopped after step 3's checkpoint, resumed: on its own layout the same numbers; with
-    another expert-parallel size through the universal form, within 1e-5 (the layouts' own
-    difference)."""
+    another expert-parallel size through the universal form (converted by the resume, or ahead
+    of it by `dr-scale reshard --to`), within 1e-5 (the layouts' own difference)."""
     ds, runs = ep_runs
     run = tmp_path / "resumed"
     stopped_at(runs[source], run, 3)
+    if ahead:
+        cli = subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir",
+                              str(run), "--to", f"dp={ranks} ep={ep}"], capture_output=True,
+                             text=True)
+        assert cli.returncode == 0 and f"(EP {ep})" in cli.stdout, cli.stderr[-2000:]
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
                    f"parallel.expert_parallel={ep}"], ranks, cache_dir)
     same_layout = LAYOUTS[source] == (ranks, ep)
-    assert ("resharding" in proc.stdout) != same_layout, proc.stdout[-2000:]
+    assert ("resharding" in proc.stdout) == (not same_layout and not ahead), proc.stdout[-2000:]
     want, got = losses(runs[source], after=3), losses(run, after=3)
     assert sorted(got) == [4, 5, 6]
     for step, r in got.items():
