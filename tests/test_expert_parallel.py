@@ -1,10 +1,11 @@
 """Expert parallelism (parallel/expert.py): moe_tiny in fp32 at ZeRO-2, drop-free, the same
 micro-batches of 2 in every layout (so the router's auxiliary loss, computed per micro-batch, is
-the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated) and EP 2 x DP 2 on 4
-ranks give the same losses over 6 steps within 1e-5 relative; a resume on the same layout
-continues them exactly, a resume on another expert-parallel size (both ways, through DeepSpeed's
-universal form) within 1e-5; the export of an EP run is scored by transformers as the run scored
-itself; the combinations DeepSpeed or we cannot run are one-line errors before any group."""
+the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated), EP 2 x DP 2 on 4 ranks
+and TP 2 x EP 2 on 4 ranks give the same losses over 6 steps within 1e-5 relative; a resume on
+the same layout continues them exactly, a resume on another expert-parallel size (both ways,
+through DeepSpeed's universal form) within 1e-5; the export of an EP run is scored by
+transformers as the run scored itself; the combinations DeepSpeed or we cannot run are one-line
+errors before any group."""
 import json
 import subprocess
 import sys
@@ -25,7 +26,13 @@ COMMON = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=6",
           "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=6",
           "train.save_interval=3", "train.eval_samples=16", "train.global_batch_size=8",
           "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
-LAYOUTS = {"1 rank": (1, 1), "EP 2": (2, 2), "EP 2 x DP 2": (4, 2)}  # name: (ranks, EP)
+# name: (ranks, EP, TP); under TP 2 the attention is split and the experts replicated over it
+LAYOUTS = {"1 rank": (1, 1, 1), "EP 2": (2, 2, 1), "EP 2 x DP 2": (4, 2, 1),
+           "TP 2 x EP 2": (4, 2, 2)}
+
+
+def layout_args(ep, tp=1):
+    return [f"parallel.expert_parallel={ep}", f"parallel.tensor_parallel={tp}"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +40,10 @@ def ep_runs(cache_dir, tmp_path_factory):
     base = tmp_path_factory.mktemp("ep")
     ds = fp32_config(base, 2)
     runs = {}
-    for name, (ranks, ep) in LAYOUTS.items():
+    for name, (ranks, ep, tp) in LAYOUTS.items():
         runs[name] = base / name.replace(" ", "_")
-        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON,
-                f"parallel.expert_parallel={ep}"], ranks, cache_dir)
+        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON, *layout_args(ep, tp)],
+               ranks, cache_dir)
     return ds, runs
 
 
@@ -48,7 +55,7 @@ def test_layouts_give_the_same_losses(ep_runs):
     _, runs = ep_runs
     want = losses(runs["1 rank"])
     assert sorted(want) == [1, 2, 3, 4, 5, 6] and want[6]["loss"] < want[1]["loss"] - 1
-    for name in ("EP 2", "EP 2 x DP 2"):
+    for name in ("EP 2", "EP 2 x DP 2", "TP 2 x EP 2"):
         got = losses(runs[name])
         assert sorted(got) == sorted(want), name
         for step, r in got.items():
@@ -63,10 +70,11 @@ def test_layouts_give_the_same_losses(ep_runs):
         "layer_*_expert_*_model_states.pt"))) == 32
 
 
-@pytest.mark.parametrize("source, ranks, ep, ahead", [("EP 2", 2, 2, False), ("EP 2", 2, 1, True),
-                                                      ("1 rank", 2, 2, False)])
+@pytest.mark.parametrize("source, ranks, ep, tp, ahead", [
+    # (EP 2 on its own layout: tests/test_moe.py's resume, bf16)
+    ("EP 2", 2, 1, 1, True), ("1 rank", 2, 2, 1, False), ("TP 2 x EP 2", 4, 2, 2, False)])
 def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_dir, tmp_path,
-                                                               source, ranks, ep, ahead):
+                                                               source, ranks, ep, tp, ahead):
     """Stopped after step 3's checkpoint, resumed: on its own layout the same numbers; with
     another expert-parallel size through the universal form (converted by the resume, or ahead
     of it by `dr-scale reshard --to`), within 1e-5 (the layouts' own difference)."""
@@ -79,8 +87,8 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
                              text=True)
         assert cli.returncode == 0 and f"(EP {ep})" in cli.stdout, cli.stderr[-2000:]
     proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
-                   f"parallel.expert_parallel={ep}"], ranks, cache_dir)
-    same_layout = LAYOUTS[source] == (ranks, ep)
+                   *layout_args(ep, tp)], ranks, cache_dir)
+    same_layout = LAYOUTS[source] == (ranks, ep, tp)
     assert ("resharding" in proc.stdout) == (not same_layout and not ahead), proc.stdout[-2000:]
     want, got = losses(runs[source], after=3), losses(run, after=3)
     assert sorted(got) == [4, 5, 6]
@@ -91,16 +99,31 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
             assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
 
 
-def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path):
+@pytest.mark.parametrize("name", ["EP 2 x DP 2", "TP 2 x EP 2"])
+def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path, name):
     from dr_scale.export.score import score
 
     _, runs = ep_runs
     out = tmp_path / "hf"
-    proc = export(runs["EP 2 x DP 2"], out)
+    proc = export(runs[name], out)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    scored = score(out, runs["EP 2 x DP 2"])
+    scored = score(out, runs[name])
     assert scored.relative_difference < 1e-4, scored.as_dict()  # fp32 both
-    assert not list((runs["EP 2 x DP 2"] / "checkpoints").glob(".export-*"))  # cleaned up
+    assert not list((runs[name] / "checkpoints").glob(".export-*"))  # cleaned up
+
+
+def test_tensor_and_expert_parallel_checkpoint_refuses_another_layout(ep_runs):
+    """DeepSpeed 0.19.8's ZeRO-1/2 universal conversion refuses experts split over ranks under
+    tensor parallelism: a change of layout is a one-line error before anything starts."""
+    from dr_scale.train.reshard import reshard_plan
+
+    _, runs = ep_runs
+    ckpt = runs["TP 2 x EP 2"] / "checkpoints"
+    assert reshard_plan(ckpt, "step_00000006", 4, 2, tensor=2, expert=2) == "direct"
+    with pytest.raises(DrScaleError, match=r"refuses experts split over ranks with tensor "
+                                           r"parallelism; resume it on its own layout") as e:
+        reshard_plan(ckpt, "step_00000006", 4, 2, tensor=1, expert=2)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("preset, world, ep, ds, extra, pattern", [
@@ -109,15 +132,15 @@ def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path
     ("moe_tiny", 8, 8, "zero2", {"moe.num_experts": 6}, r"must divide model\.moe\.num_experts=6"),
     ("moe_tiny", 4, 2, "zero3", {}, r"zero3\.json: zero_optimization\.stage=3 with parallel\."
                                     r"expert_parallel=2: .* use zero1 or zero2"),
-    ("moe_tiny", 4, 2, "zero2", {"tensor": 2}, r"tensor_parallel=2 x pipeline_parallel=1: "
-                                               r"expert parallelism runs beside data"),
+    ("moe_tiny", 4, 2, "zero1", {"pipeline": 2}, r"parallel\.pipeline_parallel: model\.arch "
+                                                 r"mixtral has no pipeline layout"),
     ("moe_tiny", 2, 2, "zero2", {"compile": True}, r"model\.compile=true with parallel\.expert_"),
 ])
 def test_refusals_are_one_line(preset, world, ep, ds, extra, pattern):
     cfg = RunConfig()
     cfg.model.preset = preset
     cfg.parallel.expert_parallel = ep
-    cfg.parallel.tensor_parallel = extra.get("tensor", 1)
+    cfg.parallel.pipeline_parallel = extra.get("pipeline", 1)
     cfg.model.compile = extra.get("compile", False)
     if "moe.num_experts" in extra:
         cfg.model.moe.num_experts = extra["moe.num_experts"]

@@ -70,7 +70,7 @@ def checkpoint_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
     full = _model_shapes(shape)
     layer_files = list(tag_dir.glob("layer_*-model_*-model_states.pt"))
     if list(tag_dir.glob("layer_*_expert_*_model_states.pt")):  # expert parallel
-        ranks = [_expert_parallel_source(tag_dir, full)]
+        ranks = _expert_parallel_sources(tag_dir, full)
     elif layer_files:
         by_rank = {}
         for f in layer_files:
@@ -128,16 +128,32 @@ def _one_rank_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
     return WholeSource(_zero0_state(tag_dir, shape))
 
 
-def _expert_parallel_source(tag_dir: Path, full: dict) -> Source:
-    """An expert-parallel checkpoint through DeepSpeed's universal form, in a temporary folder
-    beside the checkpoint (the same file system: as large as its weights and moments, gone with
-    the source)."""
+def _expert_parallel_sources(tag_dir: Path, full: dict) -> list:
+    """An expert-parallel checkpoint: through DeepSpeed's universal form (its fp32 masters), in
+    a temporary folder beside the checkpoint (the same file system: as large as its weights and
+    moments, gone with the source). Under tensor parallelism, which DeepSpeed 0.19.8's
+    conversion refuses with experts, each tensor rank's weights as the run held them (16-bit
+    under a bf16 config, as a pipeline's are), its experts from the per-expert files."""
     from dr_scale.train.reshard import default_workers, ds_to_universal
 
-    keep = tempfile.TemporaryDirectory(prefix=".export-", dir=tag_dir.parent)
-    folder = Path(keep.name) / "universal"
-    ds_to_universal(tag_dir, folder, default_workers(tag_dir), show_progress=True)
-    return UniversalSource(folder, full, keep)
+    tensor = saved_topology(tag_dir).tensor
+    if tensor == 1:
+        keep = tempfile.TemporaryDirectory(prefix=".export-", dir=tag_dir.parent)
+        folder = Path(keep.name) / "universal"
+        ds_to_universal(tag_dir, folder, default_workers(tag_dir), show_progress=True)
+        return [UniversalSource(folder, full, keep)]
+    experts = {}  # name -> {expert: tensor}, the experts replicated over the tensor group
+    for f in tag_dir.glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
+        for key, value in torch.load(f, map_location="cpu", weights_only=True).items():
+            name, expert = key.rsplit(".", 1)
+            experts.setdefault(name, {})[int(expert)] = value
+    stacked = {n: torch.stack([e[i] for i in sorted(e)]) for n, e in experts.items()}
+    ranks = []
+    for r in range(tensor):
+        states = torch.load(tag_dir / f"mp_rank_{r:02d}_model_states.pt", map_location="cpu",
+                            weights_only=False)  # DeepSpeed's own pickle
+        ranks.append(WholeSource({**states["module"], **stacked}, list(full)))
+    return ranks
 
 
 def _one_tensor_rank(tag_dir: Path, rank: str, shape: ModelShape) -> Source:

@@ -35,10 +35,10 @@ def refusals(shape, topo: Topology, zero: int, compile_on, ds_path) -> None:
     if shape.moe.num_experts % topo.expert:
         raise DrScaleError(f"{key}: must divide model.moe.num_experts={shape.moe.num_experts} "
                            "(each rank holds the same number of experts)")
-    if topo.tensor > 1 or topo.pipeline > 1:
-        raise DrScaleError(f"{key} with tensor_parallel={topo.tensor} x pipeline_parallel="
-                           f"{topo.pipeline}: expert parallelism runs beside data parallelism "
-                           "only; set tensor_parallel=1 and pipeline_parallel=1")
+    if topo.pipeline > 1:
+        raise DrScaleError(f"{key} with pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline "
+                           "engine has no expert groups; set pipeline_parallel=1 (tensor and "
+                           "data parallelism combine with it)")
     if zero not in (1, 2):
         raise DrScaleError(
             f"{ds_path}: zero_optimization.stage={zero} with {key}: DeepSpeed reduces and "
@@ -60,6 +60,10 @@ class ExpertShard(Experts):
         self.num_local = self.num_experts // self.ep_size
         self.first = self.ep_rank * self.num_local
         self.group = topo.expert_group
+        # Under tensor parallelism the tensor group's ranks hold the same experts and compute
+        # the same gradients, and DeepSpeed's expert-data group (whose sum over DP ranks makes
+        # the average) holds them all: each contributes 1/TP
+        self.grad_scale = 1 / topo.tensor
         self.impl = whole.impl
         for name in ("w1", "w2", "w3"):
             p = getattr(whole, name)
@@ -87,10 +91,25 @@ class ExpertShard(Experts):
         block = torch.repeat_interleave(torch.arange(size * local, device=x.device),
                                         received.flatten())
         by_expert = torch.argsort((block % local) * size + block // local, stable=True)
-        out = EXPERT_IMPLEMENTATIONS[self.impl](rows[by_expert], self.w1, self.w2, self.w3,
-                                                received.sum(0))
+        weights = [self.w1, self.w2, self.w3]
+        if self.grad_scale != 1:
+            weights = [ScaleGradient.apply(w, self.grad_scale) for w in weights]
+        out = EXPERT_IMPLEMENTATIONS[self.impl](rows[by_expert], *weights, received.sum(0))
         out = out[torch.argsort(by_expert)]
         return _all_to_all(out, send, recv, self.group)
+
+
+class ScaleGradient(torch.autograd.Function):
+    """The identity, its gradient scaled."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def _all_to_all(x, output_splits, input_splits, group):
@@ -127,6 +146,10 @@ def split_experts(model: nn.Module, topo: Topology) -> int:
                                                 AUTOEP_PARAM_EP_RANK, AUTOEP_PARAM_LOCAL_EXPERTS,
                                                 AUTOEP_PARAM_LOGICAL_SHAPE, DS_AUTOEP_UC_META)
 
+    group = topo.expert_group
+    if group is not None and dist.get_rank(group) != topo.expert_rank:  # our layout, DeepSpeed's
+        raise RuntimeError(f"rank {topo.rank}: expert rank {topo.expert_rank} by the topology, "
+                           f"{dist.get_rank(group)} in DeepSpeed's expert group")
     layer_class = _autoep_class()
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
     for moe in blocks:
@@ -144,11 +167,35 @@ def split_experts(model: nn.Module, topo: Topology) -> int:
             affine = autoep_placement_to_affine_map(moe.expert_placement_descriptor, logical)
             param.allreduce = False  # reduced over the expert-data group, not all of DP
             param.group_name = moe.ep_group_name
+            # Under TP the expert-data group spans the tensor group, so a rank's ZeRO partition
+            # of the experts is its own, not a replica; DeepSpeed's gradient norm counts a
+            # replicated parameter's partition on tensor rank 0 only, a model-parallel one's on
+            # every rank (measured: the norm came out 0.3% low, clipping the step differently)
+            param.model_parallel = topo.tensor > 1
             setattr(param, DS_AUTOEP_UC_META, {
                 AUTOEP_EXPERT_PLACEMENT: moe.expert_placement_descriptor,
                 AFFINE_MAP: affine.to_dict(), AUTOEP_PARAM_LOGICAL_SHAPE: logical,
                 AUTOEP_PARAM_EP_RANK: shard.ep_rank, AUTOEP_PARAM_LOCAL_EXPERTS: local})
+    _experts_out_of_autotp_record(model)
     return len(blocks)
+
+
+def _experts_out_of_autotp_record(model: nn.Module) -> None:
+    """Under tensor parallelism AutoTP's record for the universal conversion (parallel/
+    tensor.py) lists the experts as replicated over the tensor group; the conversion joins them
+    as experts instead, and refuses a record pattern it did not use."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    info = getattr(model, UNIVERSAL_CHECKPOINT_INFO, None)
+    if not info:
+        return
+    for key, value in info.items():
+        if isinstance(value, list):
+            info[key] = [p for p in value if not (isinstance(p, str) and "experts" in p)]
+    params = (info.get("affine_map") or {}).get("params")
+    if isinstance(params, dict):
+        for pattern in [p for p in params if "experts" in p]:
+            del params[pattern]
 
 
 def expert_groups(param_groups: list) -> list:

@@ -150,18 +150,26 @@ class ProcessGroups:
 
     @classmethod
     def make(cls, topo: Topology) -> "ProcessGroups":
-        if topo.experts_split:  # (refused with tensor or pipeline parallelism: expert.py)
-            from deepspeed.utils import groups
-
-            # DeepSpeed's expert and expert-data groups, which its ZeRO-1/2 optimizer reduces
-            # the experts' gradients over; its engine finds them by this name
-            groups._create_expert_and_data_parallel(expert_parallel_size_=topo.expert)
-            return cls(expert=groups._get_expert_parallel_group(f"ep_size_{topo.expert}"))
+        made = cls()
         if topo.autotp:
             from deepspeed.utils import groups
 
             groups._init_tp_mesh_device(tensor_model_parallel_size=topo.tensor)
-            return cls(mpu=groups, tensor=groups.get_tensor_model_parallel_group())
+            made = cls(mpu=groups, tensor=groups.get_tensor_model_parallel_group())
+        if topo.experts_split:  # (refused with pipeline parallelism: expert.py)
+            from deepspeed.utils import groups
+
+            # DeepSpeed's expert and expert-data groups, which its ZeRO-1/2 optimizer reduces
+            # the experts' gradients over; its engine finds them by this name. Under tensor
+            # parallelism an expert group joins the ranks of one tensor rank across data ranks
+            # (TP-strided), and the expert-data group holds the tensor group's replicas too.
+            groups._create_expert_and_data_parallel(expert_parallel_size_=topo.expert,
+                                                    mp_size=topo.tensor, pp_size=1,
+                                                    mp_mode="tp")
+            return dataclasses.replace(
+                made, expert=groups._get_expert_parallel_group(f"ep_size_{topo.expert}"))
+        if topo.autotp:
+            return made
         if topo.pipelined:
             from deepspeed.runtime.pipe.topology import (PipeModelDataParallelTopology,
                                                          PipelineParallelGrid)

@@ -54,9 +54,17 @@ class FileLedger:
     DeepSpeed's own collectives, so a rank whose write fails (a full disk) can still meet the
     others in the confirmation and all of them stop in one line instead of waiting."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, expert_writer=None):
         self.inner = inner
         self.deferred: list = []
+        self.expert_writer = expert_writer
+
+    def is_data_parallel_writer(self, rank) -> bool:
+        """DeepSpeed asks it with the rank in the expert-data group only (its expert-parallel
+        save); `expert_writer` answers then, where given."""
+        if self.expert_writer is not None:
+            return self.expert_writer(rank)
+        return self.inner.is_data_parallel_writer(rank)
 
     def save(self, state_dict, path: str):
         self.deferred.append((state_dict, path))
@@ -67,6 +75,18 @@ class FileLedger:
 
     def __getattr__(self, name):  # create, load, commit, makedirs, is_decoupled, ...
         return getattr(self.inner, name)
+
+
+def expert_writer(topology):
+    """Which ranks of an expert-data group write (expert parallelism): one per tensor rank.
+    DeepSpeed's save lets only the group's rank 0 write, and under tensor parallelism the group
+    holds the tensor group's ranks (TP-strided, parallel/topology.py), so the other tensor ranks
+    would write neither their copy of the experts nor their model-states file, which the load
+    needs one of per tensor rank. Its ranks run data-fastest: DP/EP of them per tensor rank."""
+    if not topology.experts_split:
+        return None
+    per_tensor_rank = topology.data // topology.expert
+    return lambda edp_rank: edp_rank % per_tensor_rank == 0
 
 
 class CheckpointWriter:
@@ -83,7 +103,7 @@ class CheckpointWriter:
         self.layout = {"world": topology.world, "tensor": topology.tensor,
                        "pipeline": topology.pipeline, "zero_stage": engine.zero_optimization_stage()}
         self.keep_last, self.asynchronous = keep_last, asynchronous
-        self.ledger = FileLedger(engine.checkpoint_engine)
+        self.ledger = FileLedger(engine.checkpoint_engine, expert_writer(topology))
         engine.checkpoint_engine = self.ledger
         # the thread's own group: its collectives never interleave with the loop's
         self.group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

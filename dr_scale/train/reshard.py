@@ -103,6 +103,11 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
+    if any(layout[0] > 1 and layout[2] > 1 for layout in (saved, target)):
+        raise DrScaleError(
+            f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
+            f"DeepSpeed's universal form, whose ZeRO-1/2 conversion (0.19.8) refuses experts "
+            f"split over ranks with tensor parallelism; {way_out}")
     record = _conversion_record(tag_dir) if max(saved) > 1 else {}
     if saved[1] > 1 and PIPELINE_REPLICATED_PARAMETER_PATTERNS not in record \
             and saved_model(tag_dir).get("tie_embeddings", True):
