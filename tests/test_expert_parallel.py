@@ -1,11 +1,11 @@
 """Expert parallelism (parallel/expert.py): moe_tiny in fp32 at ZeRO-2, drop-free, the same
 micro-batches of 2 in every layout (so the router's auxiliary loss, computed per micro-batch, is
-the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated), EP 2 x DP 2 on 4 ranks
-and TP 2 x EP 2 on 4 ranks give the same losses over 6 steps within 1e-5 relative; a resume on
-the same layout continues them exactly, a resume on another expert-parallel size (both ways,
-through DeepSpeed's universal form) within 1e-5; the export of an EP run is scored by
-transformers as the run scored itself; the combinations DeepSpeed or we cannot run are one-line
-errors before any group."""
+the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated), EP 2 x DP 2 on 4 ranks,
+TP 2 x EP 2 on 4 ranks and EP 2 with activation checkpointing give the same losses over 6 steps
+within 1e-5 relative; a resume on the same layout continues them exactly, a resume on another
+expert-parallel size (both ways, through DeepSpeed's universal form) within 1e-5; the export of
+an EP run is scored by transformers as the run scored itself; the combinations DeepSpeed or we
+cannot run are one-line errors before any group."""
 import json
 import subprocess
 import sys
@@ -27,8 +27,9 @@ COMMON = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=6",
           "train.save_interval=3", "train.eval_samples=16", "train.global_batch_size=8",
           "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
 # name: (ranks, EP, TP); under TP 2 the attention is split and the experts replicated over it
+# "checkpointed": activation checkpointing, the blocks' all-to-alls run again in the backward
 LAYOUTS = {"1 rank": (1, 1, 1), "EP 2": (2, 2, 1), "EP 2 x DP 2": (4, 2, 1),
-           "TP 2 x EP 2": (4, 2, 2)}
+           "TP 2 x EP 2": (4, 2, 2), "EP 2 checkpointed": (2, 2, 1)}
 
 
 def layout_args(ep, tp=1):
@@ -42,8 +43,9 @@ def ep_runs(cache_dir, tmp_path_factory):
     runs = {}
     for name, (ranks, ep, tp) in LAYOUTS.items():
         runs[name] = base / name.replace(" ", "_")
-        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON, *layout_args(ep, tp)],
-               ranks, cache_dir)
+        checkpointed = ["parallel.activation_checkpointing=full"] if "checkpointed" in name else []
+        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON, *layout_args(ep, tp),
+                *checkpointed], ranks, cache_dir)
     return ds, runs
 
 
@@ -55,7 +57,7 @@ def test_layouts_give_the_same_losses(ep_runs):
     _, runs = ep_runs
     want = losses(runs["1 rank"])
     assert sorted(want) == [1, 2, 3, 4, 5, 6] and want[6]["loss"] < want[1]["loss"] - 1
-    for name in ("EP 2", "EP 2 x DP 2", "TP 2 x EP 2"):
+    for name in LAYOUTS.keys() - {"1 rank"}:
         got = losses(runs[name])
         assert sorted(got) == sorted(want), name
         for step, r in got.items():
