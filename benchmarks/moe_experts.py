@@ -43,7 +43,7 @@ def one_way(impl, x, weights, counts, grad_out):
 
 
 def measure(name, shape, dtype_name, tokens, repeats):
-    from dr_scale.models.moe import experts_grouped_mm, experts_loop
+    from dr_scale.kernels.grouped import experts_grouped_mm, experts_loop
 
     dtype, g = DTYPES[dtype_name], torch.Generator().manual_seed(0)
     d, f, e, k = shape["hidden"], shape["ffn"], shape["experts"], shape["top_k"]

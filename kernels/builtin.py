@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dr_scale.kernels import policy as P
-from dr_scale.kernels import lean_torch, reference
+from dr_scale.kernels import grouped, lean_torch, reference
 from dr_scale.kernels.kernel import APEX, CUDA, TORCH, TRITON, register_kernel
 
 ANY = ("cpu", "cuda")
@@ -265,3 +265,10 @@ def cross_entropy_triton(logits, labels, ignore_index=-100):
 
 register_kernel("cross_entropy", "torch", priority=TORCH, devices=ANY,
                 policy=P.CROSS_ENTROPY)(reference.cross_entropy)
+
+
+# -- a mixture of experts' experts ---------------------------------------------------------------
+register_kernel("experts", "grouped_mm", priority=TORCH + 1, devices=ANY, policy=P.GROUPED_MATMUL,
+                available=grouped.grouped_mm_unavailable)(grouped.experts_grouped_mm)
+register_kernel("experts", "loop", priority=TORCH, devices=ANY,
+                policy=P.GROUPED_MATMUL)(grouped.experts_loop)

@@ -37,7 +37,7 @@ ATTENTION_CHECK_SEQ = 8192
 REFERENCES = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
               "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
               "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy,
-              "attention": reference.attention}
+              "attention": reference.attention, "experts": reference.grouped_experts}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Problem:
     vocab: int          # this rank's vocabulary slice
     loss_rows: int      # tokens the loss sees at once (a chunk of the fused head, or all)
     documents: int = 1  # packed documents per sequence (document masking), 1 without it
+    experts: int = 0    # a mixture of experts' experts per block (this rank's), 0: dense
+    expert_ffn: int = 0  # an expert's width (whole: experts are not split by tensor parallelism)
+    top_k: int = 0      # experts each token is routed to
 
     @property
     def tokens(self) -> int:
@@ -103,6 +106,15 @@ def make_inputs(op: str, p: Problem, device, dtype, seed: int = 0) -> Tuple[tupl
             bounds = torch.arange(p.seq, device=device) * p.documents // p.seq
             kwargs["doc_ids"] = bounds.to(torch.int32).expand(p.batch, p.seq).contiguous()
         return (q, k, v), kwargs
+    if op == "experts":  # the routed rows, spread evenly over the experts
+        rows = p.tokens * p.top_k
+        counts = torch.full((p.experts,), rows // p.experts, dtype=torch.int64)
+        counts[: rows % p.experts] += 1
+        f = p.expert_ffn
+        w = [t(*s, scale=p.hidden ** -0.5) for s in ((p.experts, f, p.hidden),
+                                                    (p.experts, p.hidden, f),
+                                                    (p.experts, f, p.hidden))]
+        return (t(rows, p.hidden), *w, counts.to(device)), {}
     raise ValueError(f"no measurement inputs for op '{op}'")
 
 

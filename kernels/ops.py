@@ -7,21 +7,25 @@ from typing import Dict, Optional
 from dr_scale.kernels import reference
 from dr_scale.kernels.registry import TORCH, Kernel, describe, select
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rotary", "cross_entropy")
+OPS = ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rotary", "cross_entropy", "experts")
 _REFERENCES = {"rms_norm": reference.rms_norm, "layer_norm": reference.layer_norm,
                "swiglu": reference.swiglu, "bias_gelu": reference.bias_gelu,
-               "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy}
+               "rotary": reference.apply_rotary, "cross_entropy": reference.cross_entropy,
+               "experts": reference.grouped_experts}
 _active = dict(_REFERENCES)
 _chosen: Dict[str, Kernel] = {}
 
 
 def use_kernels(device_type: str, dtype=None, forced: Optional[Dict[str, str]] = None,
-                **shape) -> str:
+                unused=(), **shape) -> str:
     """Choose every op's implementation: the forced name where given (one-line error if it cannot
     run here), else the best available that takes `shape` (facts of the run, such as
-    per_token_positions). Returns the line to print once at start."""
+    per_token_positions); ops in `unused` (a dense model's experts) keep the reference and are
+    not said. Returns the line to print once at start."""
     forced = dict(forced or {})
     for op in OPS:
+        if op in unused:
+            continue
         choice = forced.get(op, "auto")
         kernel = select(op, device_type, dtype, force=None if choice == "auto" else choice,
                         **shape)
@@ -68,6 +72,10 @@ def apply_rotary(x, cos, sin):
 
 def cross_entropy(logits, labels, ignore_index: int = -100):
     return _active["cross_entropy"](logits, labels, ignore_index)
+
+
+def grouped_experts(x, w1, w2, w3, counts):
+    return _active["experts"](x, w1, w2, w3, counts, swiglu=_active["swiglu"])
 
 
 def _fused_head_kernels():

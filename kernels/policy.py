@@ -62,6 +62,9 @@ NORM = PrecisionPolicy(
 ELEMENTWISE = PrecisionPolicy(
     inputs=(FP32, BF16, FP16), fp32=("activation and its derivative",),
     tolerance={FP32: (1e-6, 1e-5), BF16: (1e-2, 1e-2), FP16: (1e-3, 1e-3)})
+GROUPED_MATMUL = PrecisionPolicy(
+    inputs=(FP32, BF16, FP16), fp32=("matmul accumulation",),
+    tolerance={FP32: (1e-5, 1e-4), BF16: (2e-2, 2e-2), FP16: (3e-3, 3e-3)})
 CROSS_ENTROPY = PrecisionPolicy(
     inputs=(FP32, BF16, FP16), output="fp32",
     fp32=("logit max", "log-sum-exp", "loss", "softmax gradient"),

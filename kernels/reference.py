@@ -129,3 +129,11 @@ def slice_grad_(state, lse: torch.Tensor, local_targets: torch.Tensor, keep: tor
     grad[rows, local_targets[rows]] -= 1.0
     grad.mul_((keep.to(grad.dtype) * scale)[:, None])
     return grad.to(dtype)
+
+
+def grouped_experts(x, w1, w2, w3, counts, swiglu=swiglu):
+    """A mixture of experts' SwiGLU experts, one at a time over their rows of `x` (grouped by
+    expert, counts[e] rows for expert e; kernels/grouped.py); `swiglu`: the run's."""
+    outs = [F.linear(swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e])
+            for e, rows in enumerate(torch.split(x, counts.tolist()))]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])

@@ -14,7 +14,8 @@ from dr_scale.kernels.registry import candidates
 from tests.conftest import run_rank_script
 
 PROBLEM = measured.Problem(batch=2, seq=128, hidden=128, ffn=256, heads=4, kv_heads=2,
-                           head_dim=32, vocab=500, loss_rows=256)
+                           head_dim=32, vocab=500, loss_rows=256, experts=4, expert_ffn=96,
+                           top_k=2)
 
 
 def counted(kernel, calls, scale=1.0, name=None):
@@ -69,7 +70,7 @@ def test_the_check_catches_what_a_broken_kernel_gets_wrong(monkeypatch, tmp_path
     """Each op's check: its output and every input gradient against the fp32 reference."""
     monkeypatch.setenv("DR_SCALE_CACHE", str(tmp_path))
     for op in ("rms_norm", "layer_norm", "swiglu", "bias_gelu", "rotary", "cross_entropy",
-               "attention"):
+               "attention", "experts"):
         for dtype in (torch.float32, torch.bfloat16):
             for k in candidates(op, "cpu", dtype):
                 assert measured.check_error(k, PROBLEM, "cpu", dtype) <= 1.0, (op, k.name, dtype)
@@ -151,3 +152,19 @@ def test_attention_is_checked_as_the_run_calls_it():
     sdpa = next(c for c in candidates("attention", "cpu", torch.float32) if c.name == "sdpa")
     assert measured.check_error(sdpa, dataclasses.replace(PROBLEM, seq=256), "cpu",
                                 torch.float32) <= 1
+
+
+def test_the_experts_are_measured_grouped_and_looped():
+    """A mixture of experts' `auto` on a GPU: the grouped matmuls and the loop both checked
+    against the fp32 reference and timed on the run's routed rows; the faster is chosen, a
+    wrong one never."""
+    dtype = torch.float32
+    kernels = candidates("experts", "cpu", dtype)
+    assert [k.name for k in kernels] == ["grouped_mm", "loop"]
+    wrong = counted(kernels[0], {}, scale=1.01, name="one_percent_off")
+    rows = measured.measure("experts", [wrong, *kernels], PROBLEM, "cpu", dtype)
+    by_name = {r.name: r for r in rows}
+    assert by_name["one_percent_off"].error > 1.0 and not by_name["one_percent_off"].chosen
+    passing = [by_name["grouped_mm"], by_name["loop"]]
+    assert all(r.error <= 1.0 and r.ms > 0 for r in passing)
+    assert min(passing, key=lambda r: r.ms).chosen

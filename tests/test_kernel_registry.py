@@ -18,6 +18,9 @@ def test_every_op_has_a_torch_reference_and_a_faster_implementation():
     select("rms_norm", "cpu")  # loads the built-in registrations
     for op in ops.OPS:
         names = set(KERNELS[op])
+        if op == "experts":  # torch's grouped matmuls, and one expert at a time
+            assert names == {"grouped_mm", "loop"}
+            continue
         assert "torch" in names, op
         assert names & {"cuda_fused", "triton_fused"}, op
     assert {"triton_flash", "sdpa", "eager"} <= set(KERNELS["attention"])
@@ -26,7 +29,7 @@ def test_every_op_has_a_torch_reference_and_a_faster_implementation():
 def test_auto_on_cpu_picks_torch_and_never_the_interpreter():
     line = ops.use_kernels("cpu", torch.bfloat16)
     assert line == ("kernels: rms_norm=torch, layer_norm=torch, swiglu=torch, bias_gelu=torch, "
-                    "rotary=torch, cross_entropy=torch")
+                    "rotary=torch, cross_entropy=torch, experts=grouped_mm")
     assert select("attention", "cpu", torch.bfloat16).name == "sdpa"
 
 
@@ -58,7 +61,8 @@ def test_launcher_errors_name_the_config_key(cache_dir, tmp_path):
                    "model.kernels={layernorm: torch}"], 1, cache_dir, launcher="python", check=False)
     assert proc.returncode == 2
     assert errors_of(proc) == ("dr_scale: error: model.kernels.layernorm: unknown op; known: "
-                               "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy")
+                               "rms_norm, layer_norm, swiglu, bias_gelu, rotary, cross_entropy, "
+                               "experts")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

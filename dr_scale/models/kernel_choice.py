@@ -23,10 +23,11 @@ def select_kernels(shape, cfg, device_type: str, precision: str, topo):
     if unknown:
         raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
     facts = {"per_token_positions": cfg.data.reset_positions}
+    unused = () if shape.moe is not None else ("experts",)
     attention_facts = {"head_dim": shape.head_dim, "dropout": shape.dropout}
     if device_type == "cuda":
         auto = {op: candidates(op, device_type, dtype, **facts)
-                for op in ops.OPS if forced.get(op, "auto") == "auto"}
+                for op in ops.OPS if forced.get(op, "auto") == "auto" and op not in unused}
         if shape.attention == "auto":
             auto["attention"] = candidates("attention", device_type, dtype, **attention_facts)
         problem = kernel_problem(shape, cfg, topo)
@@ -40,7 +41,7 @@ def select_kernels(shape, cfg, device_type: str, precision: str, topo):
             shape = dataclasses.replace(shape, attention=chosen.pop("attention"))
         forced.update(chosen)
     try:
-        line = ops.use_kernels(device_type, dtype, forced, **facts)
+        line = ops.use_kernels(device_type, dtype, forced, unused, **facts)
     except DrScaleError as e:
         raise DrScaleError(f"model.{e}") from None
     name = shape.attention
@@ -68,4 +69,9 @@ def kernel_problem(shape, cfg, topo) -> measured.Problem:
         heads=shape.num_heads // tp, kv_heads=max(1, shape.num_kv_heads // tp),
         head_dim=shape.head_dim, vocab=-(-shape.vocab_size // slices),
         loss_rows=min(tokens, chunk) if chunk else tokens,
-        documents=4 if cfg.data.document_mask else 1)
+        documents=4 if cfg.data.document_mask else 1,
+        # the experts see a micro-batch's routed rows (under expert parallelism about as many,
+        # from the group's ranks, over its experts)
+        experts=shape.moe.num_experts // topo.expert if shape.moe else 0,
+        expert_ffn=shape.ffn_hidden_size if shape.moe else 0,
+        top_k=shape.moe.top_k if shape.moe else 0)

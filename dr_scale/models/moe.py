@@ -12,6 +12,10 @@ SwiGLU in its grouped path unconditionally, so it cannot run CPU tensors. The pa
 layout GroupedExperts and transformers' per-expert checkpoints use (w1 gate, w3 up: experts x
 ffn x hidden; w2 down: experts x hidden x ffn), so export and import are a slice per expert.
 
+Experts as grouped matmuls where torch has them (kernels/grouped.py, the op `experts` of the
+kernel registry: `model.kernels.experts=loop` forces one expert at a time; on GPUs `auto`
+measures both).
+
 Routing, Mixtral's: softmax over all experts, the top k kept and renormalised to sum to 1. With
 `capacity_factor` an expert takes at most ceil(factor x tokens x k / experts) of a micro-batch's
 assignments (the earliest tokens first) and the rest are dropped (the token keeps its residual);
@@ -75,44 +79,21 @@ class Router(nn.Module):
         return ("normal", std)
 
 
-def experts_grouped_mm(x, w1, w2, w3, counts):
-    """SwiGLU of each expert over its contiguous rows of `x`: three grouped matmuls (one
-    kernel per projection over all experts, torch._grouped_mm, on CPU as on GPU)."""
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    return torch._grouped_mm(ops.swiglu(gate, up), w2.transpose(-2, -1), offs=offsets)
-
-
-def experts_loop(x, w1, w2, w3, counts):
-    """The same, one expert at a time (the reference, and where no grouped matmul exists)."""
-    outs = [F.linear(ops.swiglu(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e])
-            for e, rows in enumerate(torch.split(x, counts.tolist()))]
-    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
-
-
-EXPERT_IMPLEMENTATIONS = {"grouped_mm": experts_grouped_mm, "loop": experts_loop}
-
-
-def default_experts_impl() -> str:
-    return "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
-
-
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, ffn: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
-        self.impl = default_experts_impl()
 
     def initial_rule(self, attr, std, out_std):
         """w2 writes into the residual stream: scaled as the dense down projection is."""
         return ("normal", out_std if attr == "w2" else std)
 
     def forward(self, x, counts):
-        """`x`: the routed rows grouped by expert, `counts[e]` rows for expert e."""
-        return EXPERT_IMPLEMENTATIONS[self.impl](x, self.w1, self.w2, self.w3, counts)
+        """`x`: the routed rows grouped by expert, `counts[e]` rows for expert e; the kernel
+        chosen for op `experts` (kernels/grouped.py: grouped matmuls, or a loop)."""
+        return ops.grouped_experts(x, self.w1, self.w2, self.w3, counts)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch import nn
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.moe import EXPERT_IMPLEMENTATIONS, Experts, SparseMoE
+from dr_scale.kernels import ops
+from dr_scale.models.moe import Experts, SparseMoE
 from dr_scale.parallel.topology import Topology
 
 
@@ -64,7 +65,6 @@ class ExpertShard(Experts):
         # the same gradients, and DeepSpeed's expert-data group (whose sum over DP ranks makes
         # the average) holds them all: each contributes 1/TP
         self.grad_scale = 1 / topo.tensor
-        self.impl = whole.impl
         for name in ("w1", "w2", "w3"):
             p = getattr(whole, name)
             part = nn.Parameter(torch.empty((self.num_local, *p.shape[1:]), device=p.device,
@@ -94,7 +94,7 @@ class ExpertShard(Experts):
         weights = [self.w1, self.w2, self.w3]
         if self.grad_scale != 1:
             weights = [ScaleGradient.apply(w, self.grad_scale) for w in weights]
-        out = EXPERT_IMPLEMENTATIONS[self.impl](rows[by_expert], *weights, received.sum(0))
+        out = ops.grouped_experts(rows[by_expert], *weights, received.sum(0))
         out = out[torch.argsort(by_expert)]
         return _all_to_all(out, send, recv, self.group)
 
