@@ -96,7 +96,7 @@ def test_console_script_errors(tmp_path):
         dr_scale_cli("tokenizer", "--input", "x.txt"))
     assert "missing.txt: input file not found" in errors_of(
         dr_scale_cli("tokenizer", "--input", tmp_path / "missing.txt", "--out", tmp_path / "t"))
-    assert "--to 'dp=2 tp=x': expected sizes like \"dp=2 tp=1 pp=2\"" in errors_of(
+    assert "--to 'dp=2 tp=x': expected sizes like \"dp=2 tp=1 pp=2 ep=1\"" in errors_of(
         dr_scale_cli("reshard", "--run_dir", tmp_path, "--to", "dp=2 tp=x"))
     assert "reshard: give --ranks N" in errors_of(dr_scale_cli("reshard", "--run_dir", tmp_path))
     assert f"{tmp_path / 'checkpoints'}: no checkpoints" in errors_of(

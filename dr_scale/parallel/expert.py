@@ -22,6 +22,7 @@ from torch import nn
 
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import ops
+from dr_scale.runtime import comm
 from dr_scale.models.moe import Experts, SparseMoE
 from dr_scale.parallel.topology import Topology
 
@@ -82,7 +83,7 @@ class ExpertShard(Experts):
         size, local = self.ep_size, self.num_local
         # every rank's counts: how many rows each source sends to each of my experts
         gathered = [torch.empty_like(counts) for _ in range(size)]
-        dist.all_gather(gathered, counts, group=self.group)
+        comm.all_gather(gathered, counts, group=self.group)
         received = torch.stack(gathered)[:, self.first:self.first + local]   # (source, local)
         send = counts.view(size, local).sum(1).tolist()
         recv = received.sum(1).tolist()
