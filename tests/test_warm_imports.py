@@ -21,7 +21,7 @@ def test_warm_imports_import_in_a_thread_and_restore_the_switch_interval():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    assert out.stdout.strip().splitlines()[-1] == "ok"  # DeepSpeed's import logs to stdout
 
 
 def test_overlapping_short_switch_intervals_restore_the_original():

@@ -5,7 +5,9 @@ drawing the initial values (torch's generators release the GIL).
 Why: torch's Optimizer and DeepSpeed's ZeRO optimizers ask torch._dynamo whether they are being
 compiled, and its first import pulls in inductor and sympy (~880 modules): 2.3 s of a 1-rank
 start-up of 11.7 s on this project's CPU machines (py-spy), spent on the main thread after the
-build, with nothing beside it. Python's per-module import locks make a concurrent import safe: a
+build, with nothing beside it. DeepSpeed's ZeRO check then imports its Muon optimizer, whose
+`torch.compile` decorators pull in inductor's compile_fx and dynamo's repro tools: another 1.5 s
+on the main thread (py-spy, AMD EPYC, llama_1b cut to 8 layers). Python's per-module import locks make a concurrent import safe: a
 thread that needs a module another thread is importing waits for it.
 """
 import threading
@@ -13,7 +15,8 @@ from typing import Optional
 
 from dr_scale.runtime.gil import short_switch_interval
 
-WARMED = ("torch._dynamo",)
+WARMED = ("torch._dynamo",
+          "deepspeed.runtime.zero.muon.muon_optimizer")  # is_zero_supported_optimizer's
 
 _thread: Optional[threading.Thread] = None
 
