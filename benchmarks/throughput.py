@@ -72,7 +72,8 @@ def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_i
            "peak_tflops": info["peak_flops"]["value"] / 1e12,
            "peak_source": info["peak_flops"]["source"],
            "vocab_size": info["model"]["shape"]["vocab_size"],
-           "parameters": info["model"]["parameters"]}
+           "parameters": info["model"]["parameters"],
+           "last_loss": [r for r in recs if "tokens_per_s" in r][-1]["loss"]}
     for phase in ("forward", "backward", "optimizer_step"):
         if f"time_{phase}_s" in train[0]:
             row[f"time_{phase}_s"] = med(f"time_{phase}_s")
