@@ -6,7 +6,8 @@ of the model's full length with a plain build from the same seed: the buffers, a
     python build_equivalence.py PORT OUT LAYOUT    LAYOUT: zero3x1 | zero3x2 | tp2 | pp2
 
 zero3x1 also builds from a transformers folder (model.init_from); zero3x2 also saves a
-checkpoint and loads it into an engine built from another seed (resume). Every random draw made
+checkpoint and loads it into an engine built from another seed (resume), and builds Llama in fp32
+with its blocks compiled (model.compile=true). Every random draw made
 while building is recorded with its tensor's and its generator's devices."""
 import os
 import sys
@@ -58,7 +59,7 @@ def overrides(family: str) -> list:
             "train.micro_batch_size=1"]
 
 
-def engine_for(family, precision, topo, ds_name, init_from=None, seed=None):
+def engine_for(family, precision, topo, ds_name, init_from=None, seed=None, compiled=False):
     """The engine a run of this layout makes, step by step as dr_scale/launch.py makes it."""
     from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
@@ -69,7 +70,7 @@ def engine_for(family, precision, topo, ds_name, init_from=None, seed=None):
     from dr_scale.models.kernel_choice import select_kernels
     from dr_scale.train.engine import initialize_engine
 
-    cfg = load_config(None, overrides(family))
+    cfg = load_config(None, overrides(family) + (["model.compile=true"] if compiled else []))
     weights = None
     if init_from is not None:
         cfg.model.init_from = str(init_from)
@@ -193,6 +194,12 @@ def rank_main(rank, port, out, layout):
             if layout == "zero3x2":
                 result[f"{case}/resume"] = resumed(engine, family, precision, topo, ds_name,
                                                    reference, tokens, ref_logits, out)
+            if layout == "zero3x2" and case == "llama/fp32":  # inductor's code, hooks between
+                compiled, _, _, draws = engine_for(family, precision, topo, ds_name,
+                                                   compiled=True)
+                result[f"{case}/compiled"] = {
+                    **compare(compiled, reference, engine_logits(compiled, tokens, tensor),
+                              ref_logits), "draws": draws}
     write_and_leave(out, rank, result)
 
 
