@@ -25,6 +25,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--out", required=True)
+    p.add_argument("--profile_out", default=None,
+                   help="after the timed steps, profile 2 more on rank 0 and write each "
+                        "operator's self time there (the step profiler's .ops.json form)")
     p.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher passes it
     p.add_argument("overrides", nargs="*")
     a = p.parse_args()
@@ -81,6 +84,24 @@ def main():
         torch.cuda.synchronize()
     comm.barrier()
     seconds = time.perf_counter() - t0
+    if a.profile_out:  # outside the timed steps: the profiler's overhead is not in tokens/s
+        from dr_scale.callbacks.step_profiler import write_operator_totals
+
+        def one_step():
+            for _ in range(batch_sizes["accum"]):
+                x = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length),
+                                  generator=g).to(device)
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                engine.step()
+
+        profile_steps = 2
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as prof:  # every rank: same pace
+            for _ in range(profile_steps):
+                one_step()
+        if dist.get_rank() == 0:
+            write_operator_totals(prof, a.profile_out, profile_steps)
     mem = torch.tensor([peak_memory_bytes(device.type)], dtype=torch.float64)
     comm.all_reduce(mem, "max")  # placed where the group serves it (NCCL: the GPU)
     if dist.get_rank() == 0:

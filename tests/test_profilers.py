@@ -91,3 +91,7 @@ def test_compat_callbacks_in_a_zero3_run(cache_dir, tmp_path):
     names = {e.get("name") for e in json.loads(traces[0].read_text())["traceEvents"]}
     assert {"dr_scale.forward", "dr_scale.backward", "dr_scale.optimizer_step"} <= names
     assert "self cpu" in (run / "profiles" / "steps_000003-000004_rank0.txt").read_text().lower()
+    ops = json.loads((run / "profiles" / "steps_000003-000004_rank0.ops.json").read_text())
+    assert ops["steps"] == 2 and ops["device"] is False
+    gemms = [op for name, op in ops["operators"].items() if name in ("aten::mm", "aten::addmm")]
+    assert gemms and all(op["self_ms"] > 0 and op["calls"] >= 1 for op in gemms)

@@ -1,5 +1,7 @@
-"""torch.profiler over a window of training steps: a Chrome/Perfetto trace per profiled rank and
-a table of the most expensive operators, in `<run>/profiles/`.
+"""torch.profiler over a window of training steps: a Chrome/Perfetto trace per profiled rank, a
+table of the most expensive operators and their totals as JSON (`*.ops.json`: each operator's
+self time and calls, what benchmarks/step_profile.py sets beside the peer's), in
+`<run>/profiles/`.
 
     callbacks:
       step_profiler: {enabled: true, start_step: 5, steps: 2, ranks: [0]}
@@ -74,9 +76,29 @@ class StepProfiler(Callback):
         stem = f"steps_{self.first:06d}-{last:06d}_rank{self.rank}"
         trace, table = out / f"{stem}.trace.json", out / f"{stem}.txt"
         self.prof.export_chrome_trace(str(trace))
+        write_operator_totals(self.prof, out / f"{stem}.ops.json", last - self.first + 1)
         sort = "self_cuda_time_total" if trainer.device.type == "cuda" else "self_cpu_time_total"
         table.write_text(self.prof.key_averages().table(sort_by=sort, row_limit=self.table_rows)
                          + "\n")
         self.written = (trace, table)
         print(f"dr_scale: step profile of steps {self.first}-{last} on rank {self.rank}: "
               f"{trace} (open in https://ui.perfetto.dev), {table}", flush=True)
+
+
+def write_operator_totals(prof, path, steps: int):
+    """Each operator's self time (device time where there is one, else CPU) and calls, per
+    step, as JSON: {"steps": n, "device": bool, "operators": {name: {"self_ms", "calls"}}}."""
+    import json
+
+    rows = {}
+    device = False
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", 0) or 0
+        device = device or device_us > 0
+        rows[e.key] = {"self_cpu_us": e.self_cpu_time_total, "self_device_us": device_us,
+                       "calls": e.count}
+    key = "self_device_us" if device else "self_cpu_us"
+    operators = {name: {"self_ms": r[key] / 1e3 / steps, "calls": r["calls"] / steps}
+                 for name, r in rows.items() if r[key] > 0}
+    with open(path, "w") as f:
+        json.dump({"steps": steps, "device": device, "operators": operators}, f, indent=1)
