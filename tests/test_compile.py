@@ -1,6 +1,7 @@
 """model.compile: compiled decoder blocks train as the eager ones do (fp32, 2 ranks, ZeRO-1 and
-ZeRO-3, 20 steps: losses within 1e-5 relative), a checkpoint saved compiled resumes eager and the
-other way round with the same losses, and `auto` measures once, then reads its cached choice."""
+ZeRO-3, 20 steps: losses within 1e-5 relative), ZeRO-3 gathering by block as by module, a
+checkpoint saved compiled resumes eager and the other way round with the same losses, and `auto`
+measures once, then reads its cached choice."""
 import json
 
 import pytest
@@ -36,19 +37,37 @@ def runs(tmp_path_factory, cache_dir):
                            f"model.compile={mode}", *RUN], 2, cache_dir)
             assert compile_line(proc.stdout).startswith(
                 "compile: each decoder block compiled" if mode == "true" else "compile: off")
+            assert ("ZeRO-3 gathers each decoder block's parameters at once" in proc.stdout) \
+                == (stage == 3)
+    # ZeRO-3 gathering each module's parameters (DeepSpeed's default) instead of each block's
+    out[3, "module"] = work / "zero3_module"
+    proc = launch(["--ds_config", ds[3], "--run_dir", out[3, "module"],
+                   "parallel.zero3_gather=module", *RUN], 2, cache_dir)
+    assert "ZeRO-3 gathers each module's parameters" in proc.stdout
     return ds, out
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_compiled_blocks_train_as_eager_ones(runs, stage):
-    """ZeRO-3's gathering hooks break each block's graph around them (compiler-disabled), and
-    the pieces still compute what eager does."""
+    """Under ZeRO-3 each block is gathered at its edges (parallel.zero3_gather=block), by
+    compiler-disabled hooks outside the block's graph."""
     _, out = runs
     eager, compiled = losses(out[stage, "false"]), losses(out[stage, "true"])
     assert sorted(compiled) == list(range(1, STEPS + 1))
     for step, loss in eager.items():
         assert compiled[step] == pytest.approx(loss, rel=1e-5), step
     assert eager[STEPS] < eager[1] - 0.5  # it learned: the comparison is over a moving loss
+
+
+@pytest.mark.parametrize("mode", ["false", "true"])
+def test_zero3_gathering_by_block_trains_as_by_module(runs, mode):
+    """Each decoder block one ZeRO-3 leaf (parallel.zero3_gather=block, the default): the same
+    parameters gathered at other times, eager and compiled (then one graph a block)."""
+    _, out = runs
+    by_module, by_block = losses(out[3, "module"]), losses(out[3, mode])
+    assert sorted(by_block) == sorted(by_module) == list(range(1, STEPS + 1))
+    for step, loss in by_module.items():
+        assert by_block[step] == pytest.approx(loss, rel=1e-5), step
 
 
 @pytest.mark.parametrize("saved, resumed", [("true", "false"), ("false", "true")])

@@ -8,7 +8,7 @@ import pytest
 
 from dr_scale.cli import main
 from dr_scale.runtime.hardware import cpu_bf16_support
-from tests.conftest import launch, run_rank_script
+from tests.conftest import ROOT, launch, run_rank_script
 
 SHAPE = ["model.preset=tiny", "model.hidden_size=512", "model.num_layers=6", "model.num_heads=8",
          "model.num_kv_heads=4", "model.ffn_hidden_size=1408", "data.seq_length=256",
@@ -42,6 +42,22 @@ def test_estimate_within_25_percent_of_measured_peak(cache_dir, tmp_path, ds, ra
     vocab = json.loads((run / "run.json").read_text())["model"]["shape"]["vocab_size"]
     predicted = estimate(ds, ranks, *SHAPE, *extra, f"model.vocab_size={vocab}")["total"]
     assert 0.75 <= predicted / measured <= 1.25, (predicted / 2**20, measured / 2**20)
+
+
+def test_a_block_gathered_whole_is_counted(tmp_path):
+    """ZeRO-3 gathering by block (the default) holds one decoder block's 16-bit parameters
+    live however small stage3_max_live_parameters is; gathering by module does not."""
+    ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    ds["zero_optimization"].update(stage3_max_live_parameters=1_000_000,
+                                   stage3_prefetch_bucket_size=1_000_000)
+    path = tmp_path / "z3_small_live.json"
+    path.write_text(json.dumps(ds))
+    big = ["model.preset=llama_70b", "train.micro_batch_size=1", "data.seq_length=4096"]
+    block = estimate(str(path), 64, *big, device="cuda")
+    module = estimate(str(path), 64, *big, "parallel.zero3_gather=module", device="cuda")
+    # q, o 8192x8192; k, v 1024x8192; gate, up, down 8192x28672; two norms of 8192
+    per_block = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672 + 2 * 8192
+    assert block["buffers"] - module["buffers"] == pytest.approx(2 * (per_block - 1_000_000))
 
 
 def test_estimate_scales_as_zero_and_parallelism_say():

@@ -144,6 +144,10 @@ class ParallelConfig(Section):
     activation_checkpointing: str = field("none", choices=["none", "full", "selective"],
                                           help="full: whole blocks; selective: attention only")
     checkpoint_every: int = field(1, min=1, help="checkpoint every k-th block")
+    zero3_gather: str = field("block", choices=["block", "module"], help="ZeRO-3's unit of "
+                              "gathering: block (each decoder block's parameters at once, as "
+                              "FSDP wraps per block) or module (DeepSpeed's default: each "
+                              "module's own, less gathered at a time, more hooks)")
 
 
 @dataclass

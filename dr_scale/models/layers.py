@@ -217,3 +217,9 @@ def whole(param: nn.Parameter):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+
+
+def decoder_blocks(model: nn.Module):
+    """The modules that directly own an attention layer: the decoder blocks, in order."""
+    return [m for m in model.modules()
+            if any(isinstance(c, SelfAttention) for c in m.children())]

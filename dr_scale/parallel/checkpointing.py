@@ -25,13 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models.layers import SelfAttention
-
-
-def decoder_blocks(model: nn.Module):
-    """The modules that directly own an attention layer: the decoder blocks, in order."""
-    return [m for m in model.modules()
-            if any(isinstance(c, SelfAttention) for c in m.children())]
+from dr_scale.models.layers import SelfAttention, decoder_blocks
 
 
 def _checkpointed(forward, partitioned, *args, **kwargs):

@@ -36,7 +36,8 @@ What is counted, per rank, for AdamW under DeepSpeed:
   head and loss are fused (the default), else the whole logits and their fp32 loss copies;
 - buffers: DeepSpeed's communication buckets: the contiguous gradient bucket ZeRO-2/3 allocate
   at `reduce_bucket_size` elements, ZeRO-3's gathered parameters (up to
-  `stage3_max_live_parameters`, default 1e9: the whole 16-bit model below that size),
+  `stage3_max_live_parameters`, default 1e9: the whole 16-bit model below that size; gathered
+  by block, at least one decoder block's),
   ZeRO-0/1's flattened all-reduce bucket;
 - runtime: what a rank costs before the model (the framework, communication buffers); on CPU
   measured here as the resident size of an initialized rank (RUNTIME_BYTES), on a GPU the caching
@@ -162,6 +163,7 @@ class EstimateInputs:
     prefetch_bucket: float = 5e7
     contiguous_gradients: bool = True
     max_live_parameters: float = 1e9
+    gather_block: bool = False  # ZeRO-3 gathers a decoder block at once (parallel.zero3_gather)
     sub_group_size: float = 1e9
     swap_buffers: int = 4
     param_max_in_cpu: float = 1e9
@@ -173,6 +175,13 @@ def expert_parameters(shape) -> int:
     """Parameters of the experts of every mixture-of-experts block (0 for a dense model)."""
     return sum(p.numel() for name, p in meta_model(shape).named_parameters()
                if ".mlp.experts." in name)
+
+
+def block_parameters(shape) -> int:
+    """Parameters of one decoder block (the largest, where they differ)."""
+    from dr_scale.models.layers import decoder_blocks
+
+    return max(sum(p.numel() for p in b.parameters()) for b in decoder_blocks(meta_model(shape)))
 
 
 def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
@@ -246,8 +255,12 @@ def estimate(shape, inputs: EstimateInputs) -> MemoryEstimate:
     if zero_stage == 3:
         # gathered parameters stay live until stage3_max_live_parameters of them are (measured
         # here: llama_1b cut to 8 layers peaked 0.87 GiB a rank above the other terms, at 2 and
-        # at 4 ranks alike: its whole 16-bit model), beyond what the prefetch bucket brings
-        buffers += max(min(i.max_live_parameters, n), min(i.prefetch_bucket, n)) * lp
+        # at 4 ranks alike: its whole 16-bit model), beyond what the prefetch bucket brings;
+        # gathered by block (parallel.zero3_gather), a whole block at least
+        live = max(min(i.max_live_parameters, n), min(i.prefetch_bucket, n))
+        if i.gather_block:
+            live = max(live, block_parameters(shape) / tp)
+        buffers += live * lp
     buffers += swap + param_swap
     runtime = RUNTIME_BYTES_CPU if device_type == "cpu" else 0
     total = parameters + gradients + optimizer + activations + buffers + runtime
@@ -328,6 +341,7 @@ def inputs_for_run(cfg, ds: dict, topology: Topology, device_type: str = "cpu") 
         prefetch_bucket=float(zero.get("stage3_prefetch_bucket_size", 5e7)),
         contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
         max_live_parameters=float(zero.get("stage3_max_live_parameters", 1e9)),
+        gather_block=cfg.parallel.zero3_gather == "block",
         sub_group_size=dsc.sub_group_size(ds),
         swap_buffers=int((zero.get("offload_optimizer") or {}).get("buffer_count", 4)),
         param_max_in_cpu=float(offload_param.get("max_in_cpu", 1e9)),

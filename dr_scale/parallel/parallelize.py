@@ -7,11 +7,12 @@ with the refusals beside them.
                           checkpointing), and the AutoTP section of the DeepSpeed config
     3. checkpointing      activation checkpointing of decoder blocks or their attention
     4. compile            torch.compile of each decoder block
-    5. pipeline           the model cut into DeepSpeed pipeline stages; under TP each stage's
+    5. ZeRO-3 gathering   each decoder block gathered as one unit (parallel.zero3_gather)
+    6. pipeline           the model cut into DeepSpeed pipeline stages; under TP each stage's
                           linears split over the pipeline grid's tensor group; without one,
                           this rank's slice of the experts (expert parallel) kept, then what
                           this rank keeps of a model built on meta made real
-    6. sequence parallel  after deepspeed.initialize: `Parallelized.after_engine`
+    7. sequence parallel  after deepspeed.initialize: `Parallelized.after_engine`
 
 Under tensor or pipeline parallelism the model arrives here on the meta device, and only what
 this rank keeps of it is made real (parallel/sharded_build.materialize).
@@ -23,7 +24,7 @@ from torch import nn
 
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
-from dr_scale.parallel import checkpointing, expert, sequence
+from dr_scale.parallel import checkpointing, expert, sequence, zero3_gather
 from dr_scale.parallel import pipeline
 from dr_scale.parallel.pipeline import to_pipeline
 from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
@@ -83,7 +84,9 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
         compiled = cfg.model.compile is True
     if compiled:                                                                       # 4
         checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
-    if topo.pipelined:                                                                 # 5
+    if dsc.zero_stage(ds) == 3 and p.zero3_gather == "block":                          # 5
+        zero3_gather.gather_by_block(model)
+    if topo.pipelined:                                                                 # 6
         model = to_pipeline(model, shape, topo, document_mask=cfg.data.document_mask,
                             reset_positions=cfg.data.reset_positions, weights=weights,
                             dtype=dtype)
@@ -94,4 +97,4 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
         if topo.experts_split:  # this rank's slice of each block's experts
             expert.split_experts(model, topo)
         materialize(model, weights, dtype, partition)
-    return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 6
+    return Parallelized(model, ds, mpu, sequence_parallel=p.sequence_parallel)       # 7

@@ -13,6 +13,7 @@ from dr_scale.config.snapshot import write_snapshot
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.runtime.process_group import threads_per_rank
 from dr_scale.models.build import count_parameters, spec_of
+from dr_scale.parallel import zero3_gather
 from dr_scale.train import host_memory, slurm_lead
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
@@ -84,9 +85,11 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
     if documents.active:
         yield documents.describe()
     overlap = ds.get("zero_optimization", {}).get("overlap_comm", False)
+    gathering = f"; {zero3_gather.describe(c.parallel.zero3_gather)}" \
+        if dsc.zero_stage(ds) == 3 else ""
     yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {kernels_line}; "
            f"{describe_optimizer(ds, c.train)}; gradients reduced in "
-           f"{dsc.reduction_dtype(ds)}, overlap_comm {str(overlap).lower()}")
+           f"{dsc.reduction_dtype(ds)}, overlap_comm {str(overlap).lower()}{gathering}")
     threads = "" if group.device.type != "cpu" else \
         f"; {torch.get_num_threads()} thread(s) per rank " \
         f"({threads_per_rank(group.local_world)[1]})"
