@@ -64,8 +64,8 @@ def refusals(ds_config: dict, source: str = "the DeepSpeed config"):
 
 def compile_problem(zero_stage: int, checkpointing: str):
     """Why the blocks cannot be compiled in this layout, or None. (ZeRO-3 compiles: its
-    parameter gathering hooks are compiler-disabled and break each block's graph around them,
-    and what is left compiled still paid on CPU ranks, tiny, 2 ranks: 1.08x eager.)"""
+    gathering hooks are compiler-disabled; gathered by block (parallel/zero3_gather.py) they sit
+    at the block's edges and the block is one graph, gathered by module they split it.)"""
     if checkpointing != "none":
         return "parallel.activation_checkpointing: not combined with compiling yet; choose one"
     return None
