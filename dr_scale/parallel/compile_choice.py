@@ -117,8 +117,7 @@ def one_block(shape, device, dtype, seq: int):
     random weights (norm weights 1), and the extra arguments its forward takes (the rotary
     tables)."""
     from dr_scale.models.build import construct, spec_of
-    from dr_scale.models.layers import Rotary
-    from dr_scale.models.layers import decoder_blocks
+    from dr_scale.models.layers import Rotary, decoder_blocks
 
     block = decoder_blocks(construct(shape, "meta"))[0].to_empty(device=device)
     with torch.no_grad():

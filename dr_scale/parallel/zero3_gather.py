@@ -8,8 +8,8 @@ flag its MoE blocks use): the block's parameters are gathered together at its st
 released at its end, forward and backward, as FSDP wraps per block in torchtitan. The inside of
 a block then holds no hook, so a compiled block is one graph.
 
-Measured (tiny, 2 CPU ranks, ZeRO-3, bf16; docs/performance.md): block against module 1.10x
-tokens/s eager, 1.15x compiled. The cost: one block's 16-bit parameters are live at once
+Measured (tiny, 2 CPU ranks, ZeRO-3, bf16, one run each; docs/parallelism_and_memory.md): block
+against module 1.10x tokens/s eager, 1.15x compiled. The cost: one block's 16-bit parameters are live at once
 (llama_70b: 0.86B parameters, 1.6 GiB), which the memory estimate counts.
 """
 from torch import nn
