@@ -54,6 +54,8 @@ def run(plan: RunPlan):
     torch.manual_seed(plan.cfg.train.seed)
     if plan.cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
         host_memory.give_large_blocks_pages_of_their_own()
+    elif group.device.type == "cpu":  # a step's large tensors reuse the pages of the last one's
+        host_memory.keep_freed_blocks_for_reuse()
     initial = None if resume else plan.init_weights  # on resume the checkpoint's weights win
     # ZeRO-3: sharded; TP or PP: on meta; nothing drawn where a checkpoint or init_from fills it
     model = build_for_run(shape, group.ds, group.topology,

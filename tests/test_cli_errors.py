@@ -265,7 +265,7 @@ def test_a_zero3_refusal_names_the_working_set_that_fits(monkeypatch, zero, name
 def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
     """Without train.release_host_memory glibc keeps freed pages the estimate takes as given
     back (a rank was killed for memory at 1.04x of an estimate that had passed): on a CPU the
-    estimate must fit with 20% to spare, and handing the pages back is the first change named.
+    estimate must fit with 60% to spare, and handing the pages back is the first change named.
     With it on, the same estimate fits the same limit."""
     from dr_scale.errors import DrScaleError
     from dr_scale.parallel import memory_guard
@@ -278,7 +278,7 @@ def test_a_cpu_rank_that_keeps_freed_pages_needs_room_for_them(monkeypatch):
     with pytest.raises(DrScaleError) as refused:
         memory_guard.refuse_if_too_big(cfg, ds, Topology(4), "cpu", "zero3.json")
     line = str(refused.value)
-    assert "x1.2 for the freed pages glibc keeps without train.release_host_memory" in line
+    assert "x1.6 for the freed pages glibc keeps without train.release_host_memory" in line
     assert "cheapest change that fits: train.release_host_memory=true (" in line
     released, _ = llama_1b_on_4_cpu_ranks("model.num_layers=8", "train.release_host_memory=true")
     memory_guard.refuse_if_too_big(released, ds, Topology(4), "cpu", "zero3.json")  # fits: no error

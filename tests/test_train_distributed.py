@@ -53,6 +53,7 @@ def test_readme_main_job(cache_dir, tmp_path):
                      rf"{precision} matmul 2048x256x4096", proc.stdout)
     threads = os.cpu_count()
     assert f"{threads} thread(s) per rank ({threads} cores / 1 rank(s) on this node)" in proc.stdout
+    assert "host memory: freed blocks kept for the next step's tensors" in proc.stdout
     ev = evals(run)
     assert [r["step"] for r in ev] == [0, 100]
     assert ev[-1]["eval_loss"] <= 0.6 * ev[0]["eval_loss"], ev

@@ -97,15 +97,24 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
           f"{facts.peak.source}{threads}"
     if offload_note:
         yield f"offload: {offload_note}"
-    if c.train.release_host_memory:
-        yield ("memory: freed host memory returned to the OS after each backward, tensors "
-               f"from {host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of their own"
-               if host_memory.can_release() else "memory: train.release_host_memory does "
-               "nothing here: the C library is not glibc (no malloc_trim)")
+    if c.train.release_host_memory or group.device.type == "cpu":
+        yield f"host memory: {host_memory_note(c.train.release_host_memory)}"
     yield from slurm_lead.lead_lines(facts.parameters, 4 if plan.precision == "fp32" else 2,
                                      max(1, t.world // group.local_world),
                                      c.train.checkpoint_write_gbps)
     yield from (f"warning: {w}" for w in sources.warnings)
+
+
+def host_memory_note(release: bool) -> str:
+    """What glibc does with freed host memory in this run (train/host_memory.py)."""
+    if not host_memory.can_release():
+        return ("train.release_host_memory does nothing here: " if release else "") + \
+            "the C library is not glibc, its allocator's defaults kept"
+    if release:
+        return ("freed host memory returned to the OS after each backward, tensors from "
+                f"{host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of their own")
+    return ("freed blocks kept for the next step's tensors (glibc: none mapped on its own, the "
+            "heap's top not trimmed; train.release_host_memory=true returns them)")
 
 
 def experts_note(shape, facts: RunFacts) -> str:
