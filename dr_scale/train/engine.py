@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from dr_scale.errors import DrScaleError
+from dr_scale.parallel.zero3_hooks import hooks_without_gathering
 
 # Betas of the optimizer built when the DeepSpeed JSON has none: torch's (and Hugging Face
 # Trainer's) defaults; the bundled configs say 0.95 for the second, as Llama's recipe does.
@@ -80,9 +81,10 @@ def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None):
     groups = param_groups(model, train_cfg.weight_decay)
     optimizer = default_optimizer(ds, groups, train_cfg)
     try:
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups if optimizer is None else None,
-            optimizer=optimizer, config=ds, lr_scheduler=scheduler, mpu=mpu)
+        with hooks_without_gathering():  # ZeRO-3: no all-gather of the model at start
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=groups if optimizer is None else None,
+                optimizer=optimizer, config=ds, lr_scheduler=scheduler, mpu=mpu)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         errors = getattr(e, "errors", None)
         if callable(errors) and errors():
