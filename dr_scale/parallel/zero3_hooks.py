@@ -16,9 +16,9 @@ cut to 8 layers, one rank, AMX Xeon): 1.6 s of a 10.5 s start-up; at 70B on 64 r
 value (torch >= 2.1, DeepSpeed's own check); `tests/test_parallel.py` runs ZeRO-3 against one
 rank and `tests/test_zero3_hooks.py` counts the gathers.
 
-Why wrap DeepSpeed's method rather than leave it: DeepSpeed has no setting for it, and start-up
-at scale is what issue-level targets measure; the wrapper touches only per-parameter attributes
-DeepSpeed itself sets (`_convert_to_deepspeed_param`) and restores them.
+Why wrap DeepSpeed's method rather than leave it: DeepSpeed has no setting for it, and it grows
+with the model at every requeue; the wrapper touches only per-parameter attributes DeepSpeed
+itself sets (`_convert_to_deepspeed_param`) and restores them.
 """
 import contextlib
 
