@@ -52,10 +52,8 @@ def run(plan: RunPlan):
         shape, plan.cfg, dsc.zero_stage(group.ds), group.device,
         dsc.torch_dtype(plan.precision), group.batch_sizes["micro"], kernels_line)
     torch.manual_seed(plan.cfg.train.seed)
-    if plan.cfg.train.release_host_memory:  # before the build's whole tensors are made and freed
-        host_memory.give_large_blocks_pages_of_their_own()
-    elif group.device.type == "cpu":  # a step's large tensors reuse the pages of the last one's
-        host_memory.keep_freed_blocks_for_reuse()
+    # glibc's handling of freed host memory, set before the build's tensors are made and freed
+    memory_note = host_memory.settle(plan.cfg.train.release_host_memory, group.device.type)
     initial = None if resume else plan.init_weights  # on resume the checkpoint's weights win
     # ZeRO-3: sharded; TP or PP: on meta; nothing drawn where a checkpoint or init_from fills it
     model = build_for_run(shape, group.ds, group.topology,
@@ -73,7 +71,8 @@ def run(plan: RunPlan):
     logger = MetricsLogger(group.run_dir, plan.cfg.logging, plan.cfg.train.max_steps,
                            enabled=group.topology.rank == 0, run_name=group.run_dir.name,
                            resume_step=-1 if plan.fresh_over_old else resume and resume.step)
-    for line in start_lines(plan, group, shape, facts, kernels_line, sources, offload_note):
+    for line in start_lines(plan, group, shape, facts, kernels_line, sources, offload_note,
+                            memory_note):
         logger.info(line)
     logger.info(compile_line)
     scheduler = None if "scheduler" in group.ds else \

@@ -7,17 +7,13 @@ on its own and unmaps it when freed, and trims the heap's free top, so a step's 
 flat gradient buffers) are new pages every step, each faulted in and zeroed by the kernel again:
 about 0.4 s a GiB on this project's AMX Xeon, measured. With no block mapped on its own
 (mallopt M_MMAP_MAX 0) and no trim below 2 GiB of free top (M_TRIM_THRESHOLD), freed blocks stay
-in the heap and later tensors reuse them, as torch's caching allocator does on a GPU. Measured
-(AMX Xeon, 2 ranks, bf16, 2026-12-06): benchmarks/throughput.py, llama_125m compiled, medians of
-2 interleaved with the peer, tokens/s before -> after: ZeRO-1 1,062 -> 1,189, ZeRO-2 958 ->
-1,275, ZeRO-3 954 -> 1,248, peak RSS a rank 1-4% higher, the sweep's system time 5.5 -> 3.0
-min; tiny with a 32,000 vocabulary, 150 steps: 3,050 -> 5,000 tokens/s, the two ranks' RSS
-1.7-3.1 GiB -> 4.1-4.4 GiB (it rose 6% from step 20 to 150, the last 1% over the last 90). What
-it costs is that resident memory: `train.release_host_memory=true` for runs that must fit. Why
-not jemalloc or tcmalloc (the usual advice for CPU training): they must be preloaded into each
-rank before it starts (LD_PRELOAD), which DeepSpeed's launcher does not do, and jemalloc 5.3's
-defaults unmap blocks above 8 MiB at once as glibc does (64 MiB tensors made again fault every
-time, measured); glibc's own settings are reachable from inside the run.
+in the heap and later tensors reuse them, as torch's caching allocator does on a GPU: 1.12-1.33x
+the tokens/s for llama_125m on 2 CPU ranks, for up to 1.56x the estimated resident memory
+(docs/performance.md, "Host memory on CPU ranks"); `train.release_host_memory=true` for runs that
+must fit. Why not jemalloc or tcmalloc (the usual advice for CPU training): they must be preloaded
+into each rank before it starts (LD_PRELOAD), which DeepSpeed's launcher does not do, and jemalloc
+5.3's defaults unmap blocks above 8 MiB at once as glibc does (64 MiB tensors made again fault
+every time, measured); glibc's own settings are reachable from inside the run.
 
 Released (`train.release_host_memory`):
 
@@ -76,6 +72,24 @@ def give_large_blocks_pages_of_their_own() -> bool:
     if _malloc_trim() is None:
         return False
     return bool(_libc().mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
+def settle(release: bool, device_type: str) -> Optional[str]:
+    """Apply the run's choice before the build's tensors are made: freed memory handed back
+    (`train.release_host_memory`), or kept on a CPU rank; its start line, or None where glibc's
+    defaults stand unremarked (a GPU rank that did not ask)."""
+    if not release and device_type != "cpu":
+        return None
+    if not can_release():
+        return ("train.release_host_memory does nothing here: " if release else "") + \
+            "the C library is not glibc, its allocator's defaults kept"
+    if release:
+        give_large_blocks_pages_of_their_own()
+        return ("freed host memory returned to the OS after each backward, tensors from "
+                f"{MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of their own")
+    keep_freed_blocks_for_reuse()
+    return ("freed blocks kept for the next step's tensors (glibc: none mapped on its own, the "
+            "heap's top not trimmed; train.release_host_memory=true returns them)")
 
 
 def keep_freed_blocks_for_reuse() -> bool:

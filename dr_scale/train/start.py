@@ -14,7 +14,7 @@ from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.runtime.process_group import threads_per_rank
 from dr_scale.models.build import count_parameters, spec_of
 from dr_scale.parallel import zero3_gather
-from dr_scale.train import host_memory, slurm_lead
+from dr_scale.train import slurm_lead
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 
@@ -67,7 +67,7 @@ def write_run_snapshot(plan, group, ds: dict, shape, facts: RunFacts, sources):
 
 
 def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
-                offload_note=None):
+                offload_note=None, memory_note=None):
     """What rank 0 says before the first step: world, precision and why, model, batch, layout,
     kernels, optimizer, the peak, and warnings (bf16 emulated, data, host memory)."""
     t, c, b, ds = group.topology, plan.cfg, group.batch_sizes, group.ds
@@ -97,24 +97,12 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
           f"{facts.peak.source}{threads}"
     if offload_note:
         yield f"offload: {offload_note}"
-    if c.train.release_host_memory or group.device.type == "cpu":
-        yield f"host memory: {host_memory_note(c.train.release_host_memory)}"
+    if memory_note:
+        yield f"host memory: {memory_note}"
     yield from slurm_lead.lead_lines(facts.parameters, 4 if plan.precision == "fp32" else 2,
                                      max(1, t.world // group.local_world),
                                      c.train.checkpoint_write_gbps)
     yield from (f"warning: {w}" for w in sources.warnings)
-
-
-def host_memory_note(release: bool) -> str:
-    """What glibc does with freed host memory in this run (train/host_memory.py)."""
-    if not host_memory.can_release():
-        return ("train.release_host_memory does nothing here: " if release else "") + \
-            "the C library is not glibc, its allocator's defaults kept"
-    if release:
-        return ("freed host memory returned to the OS after each backward, tensors from "
-                f"{host_memory.MMAP_THRESHOLD_BYTES // 2**20} MiB up in pages of their own")
-    return ("freed blocks kept for the next step's tensors (glibc: none mapped on its own, the "
-            "heap's top not trimmed; train.release_host_memory=true returns them)")
 
 
 def experts_note(shape, facts: RunFacts) -> str:
