@@ -35,6 +35,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PRETRAIN = ROOT / "launchers" / "pretrain.py"
 
 
+def module_folder(request, tmp_path_factory, name: str) -> Path:
+    """A folder for a module-scoped fixture's runs, removed when the fixture is torn down if no
+    test failed meanwhile (pytest.ini removes passing tests' own tmp_path at once; a module's
+    shared runs would otherwise stay to the end of the session, gigabytes of checkpoints)."""
+    path = tmp_path_factory.mktemp(name)
+    failed_before = request.session.testsfailed
+
+    def remove_if_all_passed():
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(path, ignore_errors=True)
+
+    request.addfinalizer(remove_if_all_passed)
+    return path
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One cache of the bundled tokenizer + dataset for the whole session."""

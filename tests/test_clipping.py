@@ -10,14 +10,14 @@ from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, PerLayerClip, clip
 from dr_scale.config import load_config
 from dr_scale.train.engine import param_groups
 from dr_scale.models import build_model, resolve_shape
-from tests.conftest import ROOT, free_port, run_group
+from tests.conftest import ROOT, free_port, run_group, module_folder
 
 MAX_NORM = 0.05  # below most of the tiny model's gradient norms at init, above some
 
 
 @pytest.fixture(scope="module")
-def clipped(tmp_path_factory):
-    out = tmp_path_factory.mktemp("clip") / "clipped.pt"
+def clipped(request, tmp_path_factory):
+    out = module_folder(request, tmp_path_factory, "clip") / "clipped.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code, stdout, stderr = run_group(
         ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),

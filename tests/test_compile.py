@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import launch, stopped_at
+from tests.conftest import launch, stopped_at, module_folder
 from tests.test_train_distributed import fp32_config, records
 
 STEPS = 20
@@ -25,9 +25,9 @@ def losses(run_dir, after=0):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
+def runs(request, tmp_path_factory, cache_dir):
     """The same 20 steps eager and compiled (saving at 10 and 20), under ZeRO-1 and ZeRO-3."""
-    work = tmp_path_factory.mktemp("compile")
+    work = module_folder(request, tmp_path_factory, "compile")
     ds, out = {}, {}
     for stage in (1, 3):
         ds[stage] = fp32_config(work, stage)

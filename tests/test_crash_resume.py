@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import PRETRAIN, free_port, launch
+from tests.conftest import PRETRAIN, free_port, launch, module_folder
 from tests.test_train_distributed import fp32_config, records
 
 ARGS = ["data.seq_length=64", "train.max_steps=12", "train.warmup_steps=3",
@@ -57,8 +57,8 @@ def logged_steps(run):
 
 
 @pytest.fixture(scope="module")
-def reference(cache_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("crash")
+def reference(request, cache_dir, tmp_path_factory):
+    tmp = module_folder(request, tmp_path_factory, "crash")
     ds = fp32_config(tmp, 3)
     run = tmp / "reference"
     launch(["--ds_config", ds, "--run_dir", run, *ARGS], 2, cache_dir)
@@ -94,10 +94,10 @@ def test_sigkill_then_resume_reproduces_losses(moment, reference, cache_dir, tmp
 
 
 @pytest.fixture(scope="module")
-def short_run(reference, cache_dir, tmp_path_factory):
+def short_run(request, reference, cache_dir, tmp_path_factory):
     """A 3-step run with one checkpoint, copied by each bad-input test before damaging it."""
     ds, _, _ = reference
-    run = tmp_path_factory.mktemp("short") / "run"
+    run = module_folder(request, tmp_path_factory, "short") / "run"
     launch(["--ds_config", ds, "--run_dir", run, *ARGS, "train.max_steps=3"], 2, cache_dir)
     return run
 

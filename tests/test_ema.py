@@ -3,7 +3,7 @@ evaluated, and carried through save and resume."""
 import pytest
 import torch
 
-from tests.conftest import launch, stopped_at
+from tests.conftest import launch, stopped_at, module_folder
 from tests.test_train_distributed import fp32_config, records
 
 ARGS = ["data.seq_length=64", "train.max_steps=6", "train.warmup_steps=2",
@@ -27,9 +27,9 @@ def weights_at(run, step):
 
 
 @pytest.fixture(scope="module")
-def zero3_run(cache_dir, tmp_path_factory):
+def zero3_run(request, cache_dir, tmp_path_factory):
     """Two ranks, ZeRO-3, fp32, EMA on, a checkpoint every step."""
-    tmp = tmp_path_factory.mktemp("ema")
+    tmp = module_folder(request, tmp_path_factory, "ema")
     run = tmp / "z3"
     launch(["--ds_config", fp32_config(tmp, 3), "--run_dir", run, *ARGS, EMA], 2, cache_dir)
     return tmp, run

@@ -18,7 +18,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.models import resolve_shape
 from dr_scale.parallel import parallelize
 from dr_scale.parallel.topology import Topology
-from tests.conftest import launch, stopped_at
+from tests.conftest import launch, stopped_at, module_folder
 from tests.test_export import export
 from tests.test_train_distributed import fp32_config, records
 
@@ -37,8 +37,8 @@ def layout_args(ep, tp=1):
 
 
 @pytest.fixture(scope="module")
-def ep_runs(cache_dir, tmp_path_factory):
-    base = tmp_path_factory.mktemp("ep")
+def ep_runs(request, cache_dir, tmp_path_factory):
+    base = module_folder(request, tmp_path_factory, "ep")
     ds = fp32_config(base, 2)
     runs = {}
     for name, (ranks, ep, tp) in LAYOUTS.items():

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, launch
+from tests.conftest import ROOT, launch, module_folder
 
 SHORT = ["data.seq_length=64", "train.max_steps=8", "train.warmup_steps=2",
          "train.log_interval=4", "train.eval_interval=8", "train.save_interval=8",
@@ -20,8 +20,8 @@ def export(run_dir, out, *extra):
 
 
 @pytest.fixture(scope="module")
-def trained_run(cache_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("export") / "run"
+def trained_run(request, cache_dir, tmp_path_factory):
+    run = module_folder(request, tmp_path_factory, "export") / "run"
     launch(["--ds_config", "zero3", "--run_dir", run, *SHORT, "model.tie_embeddings=false"], 2,
            cache_dir)
     return run

@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, free_port, run_group
+from tests.conftest import ROOT, free_port, run_group, module_folder
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory):
+def venv(request, tmp_path_factory):
     """A venv that sees this interpreter's packages, torch and deepspeed (installing them again
     would fetch gigabytes), but has its own, non-editable copy of dr_scale. The running
     interpreter is often a venv itself, whose `--system-site-packages` would be the base
     interpreter's (without torch): the running one's site-packages are named in a .pth file,
     after the new venv's own."""
-    path = tmp_path_factory.mktemp("venv") / "v"
+    path = module_folder(request, tmp_path_factory, "venv") / "v"
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     py = path / "bin" / "python"
     own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],

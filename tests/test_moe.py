@@ -14,7 +14,7 @@ from dr_scale.kernels import ops
 from dr_scale.models import build_model, resolve_shape
 from dr_scale.models.build import count_parameters, spec_of
 from dr_scale.models.moe import MoEShape, SparseMoE
-from tests.conftest import launch, stopped_at
+from tests.conftest import launch, stopped_at, module_folder
 from tests.test_export import export
 from tests.test_train_distributed import records
 
@@ -167,8 +167,8 @@ EP = ["parallel.expert_parallel=2"]
 
 
 @pytest.fixture(scope="module")
-def moe_run(cache_dir, tmp_path_factory):
-    run = tmp_path_factory.mktemp("moe") / "run"
+def moe_run(request, cache_dir, tmp_path_factory):
+    run = module_folder(request, tmp_path_factory, "moe") / "run"
     launch(["--ds_config", "zero2", "--run_dir", run, *RUN, *EP], 2, cache_dir)
     return run
 

@@ -10,7 +10,7 @@ import torch
 
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
-from tests.conftest import launch
+from tests.conftest import launch, module_folder
 from tests.test_train_distributed import fp32_config, records
 
 STEPS = 5
@@ -47,8 +47,8 @@ def exported(run_dir, ema=False):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    return run(tmp_path_factory.mktemp("ref"), cache_dir, "ref", 1, 1, 4)
+def reference(request, tmp_path_factory, cache_dir):
+    return run(module_folder(request, tmp_path_factory, "ref"), cache_dir, "ref", 1, 1, 4)
 
 
 # lr x steps in COMMON: no element can move further than this under Adam from the same start.
@@ -258,7 +258,7 @@ DOCUMENTS_APART = ["data.document_mask=true", "data.reset_positions=true"]
 
 
 @pytest.fixture(scope="module")
-def short_documents(tmp_path_factory, cache_dir):
+def short_documents(request, tmp_path_factory, cache_dir):
     """data.* overrides for the bundled corpus cut into documents of two sentences (~30 tokens:
     two or three boundaries in every 64-token sample; the bundled documents are whole chapters)."""
     import gzip
@@ -268,7 +268,7 @@ def short_documents(tmp_path_factory, cache_dir):
     from dr_scale.data.preprocess import preprocess
     from dr_scale.data.tokenizer import load_tokenizer
 
-    folder = tmp_path_factory.mktemp("short_docs")
+    folder = module_folder(request, tmp_path_factory, "short_docs")
     chapters = [json.loads(line)["text"] for line in gzip.open(CORPUS, "rt")][:40]
     sentences = [s for c in chapters for s in re.split(r"(?<=\.) ", c)]
     with open(folder / "short.jsonl", "w") as f:
@@ -280,9 +280,9 @@ def short_documents(tmp_path_factory, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def packed_reference(tmp_path_factory, cache_dir, short_documents):
+def packed_reference(request, tmp_path_factory, cache_dir, short_documents):
     """The 1-rank run on short documents kept apart (attention and positions per document)."""
-    return run(tmp_path_factory.mktemp("ref_docs"), cache_dir, "ref_docs", 1, 1, 4,
+    return run(module_folder(request, tmp_path_factory, "ref_docs"), cache_dir, "ref_docs", 1, 1, 4,
                *short_documents, *DOCUMENTS_APART, monitor=False)
 
 

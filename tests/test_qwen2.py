@@ -8,14 +8,15 @@ import torch
 
 from dr_scale.errors import DrScaleError
 from tests.test_export import export
+from tests.conftest import module_folder
 from tests.test_parallel import assert_same, assert_same_weights, run
 
 QWEN = "model.preset=qwen2_tiny"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    return run(tmp_path_factory.mktemp("qwen_ref"), cache_dir, "ref", 1, 1, 4, QWEN)
+def reference(request, tmp_path_factory, cache_dir):
+    return run(module_folder(request, tmp_path_factory, "qwen_ref"), cache_dir, "ref", 1, 1, 4, QWEN)
 
 
 def test_preset_has_the_released_shape():

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import launch, stopped_at
+from tests.conftest import launch, stopped_at, module_folder
 from tests.test_train_distributed import records
 
 ARGS = ["data.seq_length=64", "train.max_steps=8", "train.warmup_steps=2",
@@ -26,14 +26,14 @@ def losses(run):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cache_dir, tmp_path_factory):
+def uninterrupted(request, cache_dir, tmp_path_factory):
     """One 8-step run per (ranks, ZeRO config), shared by the cases that save with it; its
     step-4 checkpoint is where they resume from."""
     runs = {}
 
     def get(ranks, ds):
         if (ranks, ds) not in runs:
-            run = tmp_path_factory.mktemp(f"full_{ranks}_{ds}") / "run"
+            run = module_folder(request, tmp_path_factory, f"full_{ranks}_{ds}") / "run"
             launch(["--ds_config", ds, "--run_dir", run, *ARGS], ranks, cache_dir)
             runs[ranks, ds] = run
         return runs[ranks, ds]
@@ -62,12 +62,12 @@ def test_resume_on_another_number_of_ranks(save, resume, uninterrupted, cache_di
 
 
 @pytest.fixture(scope="module")
-def fp32_uninterrupted(cache_dir, tmp_path_factory):
+def fp32_uninterrupted(request, cache_dir, tmp_path_factory):
     """8-step fp32 runs by layout (ranks, sizes, ZeRO stage), shared by the layout-change
     cases."""
     from tests.test_train_distributed import fp32_config
 
-    tmp = tmp_path_factory.mktemp("fp32")
+    tmp = module_folder(request, tmp_path_factory, "fp32")
     configs, runs = {stage: fp32_config(tmp, stage) for stage in (1, 3)}, {}
 
     def get(layout: str, preset: str = "tiny"):

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, module_folder
 from tests.test_crash_resume import ARGS, logged_steps, reference  # noqa: F401 (a fixture)
 from tests.test_train_distributed import records
 
@@ -54,13 +54,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm(request, tmp_path_factory):
     """The environment that reaches this machine's one-node SLURM (SLURM_CONF)."""
     missing = [p for p in PROGRAMS if shutil.which(p) is None]
     if missing:
         pytest.fail(f"{', '.join(missing)} not found: these tests need Debian's slurm-wlm and "
                     f"munge (apt-get install slurm-wlm munge, as the README's test section says)")
-    root = tmp_path_factory.mktemp("slurm")
+    root = module_folder(request, tmp_path_factory, "slurm")
     for folder in ("state", "spool"):
         (root / folder).mkdir()
     node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
