@@ -1,5 +1,6 @@
 """model.compile: compiled decoder blocks train as the eager ones do (fp32, 2 ranks, ZeRO-1 and
-ZeRO-3, 20 steps: losses within 1e-5 relative), ZeRO-3 gathering by block as by module, a
+ZeRO-3, 20 steps: losses within 1e-6 relative over the first 10, 1e-4 after), ZeRO-3 gathering
+by block as by module, a
 checkpoint saved compiled resumes eager and the other way round with the same losses, and `auto`
 measures once, then reads its cached choice."""
 import json
@@ -22,6 +23,20 @@ ONE_STEP = ["data.seq_length=64", "train.max_steps=1", "train.eval_at_start=fals
 
 def losses(run_dir, after=0):
     return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r and r["step"] > after}
+
+
+# Compiled and eager kernels round differently (one fp32 ulp of the loss at step 2), and these
+# runs amplify it: measured, under ZeRO-1 and ZeRO-3 alike, at most 2.2e-7 relative over the
+# first 12 steps, then ~2x a step to 1.1e-5 at step 19, where the loss swings by 0.5 from one
+# step to the next. A wrong kernel or gather shows in the first steps; a resume that restored
+# the wrong state, in its first step's loss (the saved weights) and the next ones.
+FIRST_STEPS, CLOSE, AFTER = 10, 1e-6, 1e-4
+
+
+def assert_same_course(got: dict, want: dict):
+    for step, loss in want.items():
+        rel = CLOSE if step <= FIRST_STEPS or step == min(want) else AFTER
+        assert got[step] == pytest.approx(loss, rel=rel), step
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +69,7 @@ def test_compiled_blocks_train_as_eager_ones(runs, stage):
     _, out = runs
     eager, compiled = losses(out[stage, "false"]), losses(out[stage, "true"])
     assert sorted(compiled) == list(range(1, STEPS + 1))
-    for step, loss in eager.items():
-        assert compiled[step] == pytest.approx(loss, rel=1e-5), step
+    assert_same_course(compiled, eager)
     assert eager[STEPS] < eager[1] - 0.5  # it learned: the comparison is over a moving loss
 
 
@@ -66,8 +80,7 @@ def test_zero3_gathering_by_block_trains_as_by_module(runs, mode):
     _, out = runs
     by_module, by_block = losses(out[3, "module"]), losses(out[3, mode])
     assert sorted(by_block) == sorted(by_module) == list(range(1, STEPS + 1))
-    for step, loss in by_module.items():
-        assert by_block[step] == pytest.approx(loss, rel=1e-5), step
+    assert_same_course(by_block, by_module)
 
 
 @pytest.mark.parametrize("saved, resumed", [("true", "false"), ("false", "true")])
@@ -81,8 +94,7 @@ def test_a_checkpoint_resumes_across_compilation(runs, cache_dir, tmp_path, save
             f"model.compile={resumed}", *RUN], 2, cache_dir)
     want, got = losses(out[1, saved], after=10), losses(run, after=10)
     assert sorted(got) == list(range(11, STEPS + 1))
-    for step, loss in want.items():
-        assert got[step] == pytest.approx(loss, rel=1e-5), step
+    assert_same_course(got, want)
 
 
 def test_auto_measures_once_then_reads_its_choice(cache_dir, tmp_path):

@@ -2,10 +2,11 @@
 micro-batches of 2 in every layout (so the router's auxiliary loss, computed per micro-batch, is
 the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated), EP 2 x DP 2 on 4 ranks,
 TP 2 x EP 2 on 4 ranks and EP 2 with activation checkpointing give the same losses over 6 steps
-within 1e-5 relative; a resume on the same layout continues them exactly, a resume on another
-expert-parallel size (both ways, through DeepSpeed's universal form) within 1e-5; the export of
-an EP run is scored by transformers as the run scored itself; the combinations DeepSpeed or we
-cannot run are one-line errors before any group."""
+within 1e-4 relative (1e-6, and gradient norms within 1e-3, until a sensitive step); a resume on
+the same layout continues them exactly, a resume on another expert-parallel size (both ways,
+through DeepSpeed's universal form) within 1e-4; the export of an EP run is scored by
+transformers as the run scored itself; the combinations DeepSpeed or we cannot run are one-line
+errors before any group."""
 import json
 import subprocess
 import sys
@@ -60,11 +61,20 @@ def test_layouts_give_the_same_losses(ep_runs):
     for name in LAYOUTS.keys() - {"1 rank"}:
         got = losses(runs[name])
         assert sorted(got) == sorted(want), name
-        for step, r in got.items():
-            assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), (name, step)
-            # the norm amplifies summation-order rounding (1e-5 .. 5e-4 measured between
-            # layouts); experts' gradients scaled by the wrong group size would move it by far more
-            assert r["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-3), (name, step)
+        # Until step 4 the layouts differ by their summation orders' rounding (2e-7 in the
+        # loss). At step 5 this run meets a sensitive point: its gradient norm jumps 40x in every
+        # layout (to ~72, led by the embedding and layer 0's attention, at the peak learning
+        # rate), and the rounding grows there to 1.4e-5 in the loss and 6% in that norm (two
+        # 1-rank runs with other thread counts: 2.6e-6 in the loss).
+        agreeing = 0
+        for step in sorted(got):
+            r, w = got[step], want[step]
+            assert r["loss"] == pytest.approx(w["loss"], rel=1e-4), (name, step)
+            if agreeing == step - 1 and r["loss"] == pytest.approx(w["loss"], rel=1e-6):
+                agreeing = step
+                # experts' gradients scaled by the wrong group size would move it far more
+                assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3), (name, step)
+        assert agreeing >= 3, (name, agreeing)
     run = json.loads((runs["EP 2 x DP 2"] / "run.json").read_text())["world"]
     assert (run["data_parallel"], run["expert_parallel"]) == (4, 2)
     # every rank wrote its own experts: 4 layers x 8 experts, one file each
@@ -79,7 +89,7 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
                                                                source, ranks, ep, tp, ahead):
     """Stopped after step 3's checkpoint, resumed: on its own layout the same numbers; with
     another expert-parallel size through the universal form (converted by the resume, or ahead
-    of it by `dr-scale reshard --to`), within 1e-5 (the layouts' own difference)."""
+    of it by `dr-scale reshard --to`), within 1e-4 (the layouts' own difference)."""
     ds, runs = ep_runs
     run = tmp_path / "resumed"
     stopped_at(runs[source], run, 3)
@@ -98,7 +108,7 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
         if same_layout:
             assert r["loss"] == want[step]["loss"], step
         else:
-            assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+            assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
 
 
 @pytest.mark.parametrize("name", ["EP 2 x DP 2", "TP 2 x EP 2"])

@@ -1,75 +1,125 @@
-"""Initial values that do not depend on the layout: element i of parameter `name` is the same
-number whichever rank computes it, in whatever part of the tensor, on whatever device.
+"""Initial values that do not depend on the layout: element (i, j) of parameter `name` is the
+same number whichever rank computes it, in whatever part of the tensor, on whatever device.
 
-The tensor is cut, in its flat (row-major) order, into blocks of BLOCK elements; block b is drawn
-by a CPU generator of its own, seeded by the global seed (torch.manual_seed), the name and b. A
-rank that holds a ZeRO-3 partition (a range of the flat order) or a column slice draws only the
-blocks its range touches: no rank draws the whole model, and no tensor is gathered to be set.
-Why blocks of torch's CPU generator rather than a counter-based hash of each element: a
+A tensor is seen as a matrix: its last dimension the columns, all the others the rows. The
+matrix is cut into tiles of about BLOCK elements: the columns into COLUMN_CHUNKS equal chunks,
+the rows into bands as tall as fit; tile (band, chunk) is drawn, in its own row-major order, by
+a CPU generator of its own, seeded by the global seed (torch.manual_seed), the name, the band
+and the chunk. A rank draws only the tiles its part touches:
+- a ZeRO-3 partition (a range of the flat order) or a column-parallel slice (whole rows): the
+  bands of its rows;
+- a row-parallel slice (whole columns, the last dimension cut by tensor parallelism of 2, 4 or
+  8): the chunks of its columns, 1/8 of the tensor's tiles for each chunk it holds.
+So no rank draws the whole model, and no tensor is gathered to be set.
+
+Why tiles of torch's CPU generator rather than a counter-based hash of each element: a
 vectorised hash with the Box-Muller transform ran at 20.7 ns an element on these CPUs against
 torch.normal's 6.2 (measured 2026-12-04), and CPU generators give the same numbers on any
-machine, so a GPU rank draws on its host and copies. A rank's threads (torch.get_num_threads)
-draw its blocks at once, whole blocks in place: 2.36 against 4.20 ns an element on two cores
-(measured 2026-12-04; with Python's default 5 ms GIL switch interval two threads gained nothing).
+machine, so a GPU rank draws on its host and copies. A tile is drawn into a scratch buffer and
+copied to its place: a whole 8192 x 8192 tensor costs 4.37 ns an element on one thread and 2.78
+on two (the rank's threads draw its tiles at once), against 4.16 and 2.30 for blocks of the flat
+order drawn in place, and a row-parallel slice of TP 8 0.13x of its whole tensor (Intel Xeon with
+AMX, 2026-12-07; with Python's default 5 ms GIL switch interval two threads gained nothing).
 """
 import hashlib
+import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from dr_scale.runtime.gil import short_switch_interval
 
-BLOCK = 1 << 16  # elements: 0.4 ms of drawing against a few microseconds of seeding
+BLOCK = 1 << 16  # elements a tile, about: 0.4 ms of drawing against microseconds of seeding
+# Tensor parallelism cuts the columns of a row-parallel weight into 2, 4 or 8 equal parts (the
+# size of a node): each is then whole chunks. Another degree draws the chunks it overlaps.
+COLUMN_CHUNKS = 8
 
 
-def _generator(seed: int, name: str, index: int) -> torch.Generator:
-    digest = hashlib.blake2b(f"{seed}:{name}:{index}".encode(), digest_size=8).digest()
+class Tiling:
+    """Where the tiles of a tensor of `shape` lie (as a rows x columns matrix)."""
+
+    def __init__(self, shape):
+        shape = tuple(shape)
+        self.columns = shape[-1] if shape else 1
+        self.rows = math.prod(shape[:-1]) if shape else 1
+        self.chunk = max(1, math.ceil(self.columns / COLUMN_CHUNKS))  # columns a tile
+        self.band = max(1, BLOCK // self.chunk)  # rows a tile
+
+    def tiles(self, rows: range, columns: range):
+        """(band, chunk, its rows, its columns) of each tile overlapping rows x columns."""
+        for band in range(rows.start // self.band, (rows.stop - 1) // self.band + 1):
+            band_rows = range(band * self.band, min(self.rows, (band + 1) * self.band))
+            for chunk in range(columns.start // self.chunk, (columns.stop - 1) // self.chunk + 1):
+                yield band, chunk, band_rows, range(chunk * self.chunk,
+                                                    min(self.columns, (chunk + 1) * self.chunk))
+
+
+def _generator(seed: int, name: str, band: int, chunk: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{name}:{band}:{chunk}".encode(), digest_size=8).digest()
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def initial_values(rule: tuple, name: str, start: int, count: int) -> torch.Tensor:
-    """Elements [start, start + count) of parameter `name`'s initial value in its flat order,
-    fp32 on the CPU. `rule`: ("zeros",), ("ones",) or ("normal", std) (models/layers.py
-    initial_rules)."""
+def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) -> torch.Tensor:
+    """Rows x columns of parameter `name`'s initial value (its `shape` seen as a matrix, Tiling),
+    fp32 on the CPU, (len(rows), len(columns)). `rule`: ("zeros",), ("ones",) or ("normal",
+    std) (models/layers.py initial_rules)."""
     if rule[0] in ("zeros", "ones"):
-        return torch.full((count,), 0.0 if rule[0] == "zeros" else 1.0, dtype=torch.float32)
-    out = torch.empty(count, dtype=torch.float32)
-    if count == 0:
+        return torch.full((len(rows), len(columns)), 0.0 if rule[0] == "zeros" else 1.0,
+                          dtype=torch.float32)
+    out = torch.empty(len(rows), len(columns), dtype=torch.float32)
+    if out.numel() == 0:
         return out
-    seed, std = torch.initial_seed(), rule[1]
-    blocks = list(range(start // BLOCK, (start + count - 1) // BLOCK + 1))
+    tiling, seed, std = Tiling(shape), torch.initial_seed(), rule[1]
+    tiles = list(tiling.tiles(rows, columns))
+    scratch = threading.local()
 
-    def fill(indices):
-        for index in indices:
-            lo, hi = max(start, index * BLOCK), min(start + count, (index + 1) * BLOCK)
-            generator = _generator(seed, name, index)
-            if hi - lo == BLOCK:  # a whole block: drawn in place, the same numbers
-                out[lo - start:hi - start].normal_(0.0, std, generator=generator)
-            else:
-                block = torch.normal(0.0, std, size=(BLOCK,), generator=generator,
-                                     dtype=torch.float32)
-                out[lo - start:hi - start] = block[lo - index * BLOCK:hi - index * BLOCK]
+    def fill(some_tiles):
+        for band, chunk, tile_rows, tile_columns in some_tiles:
+            size = len(tile_rows) * len(tile_columns)
+            if getattr(scratch, "buffer", None) is None or scratch.buffer.numel() < size:
+                scratch.buffer = torch.empty(size, dtype=torch.float32)
+            tile = scratch.buffer[:size].view(len(tile_rows), len(tile_columns))
+            tile.normal_(0.0, std, generator=_generator(seed, name, band, chunk))
+            r0, r1 = max(rows.start, tile_rows.start), min(rows.stop, tile_rows.stop)
+            c0, c1 = max(columns.start, tile_columns.start), min(columns.stop, tile_columns.stop)
+            out[r0 - rows.start:r1 - rows.start, c0 - columns.start:c1 - columns.start] = \
+                tile[r0 - tile_rows.start:r1 - tile_rows.start,
+                     c0 - tile_columns.start:c1 - tile_columns.start]
 
-    workers = min(torch.get_num_threads(), len(blocks) // _BLOCKS_A_THREAD)
+    workers = min(torch.get_num_threads(), len(tiles) // _TILES_A_THREAD)
     if workers <= 1:
-        fill(blocks)
+        fill(tiles)
         return out
-    # Blocks are independent: the rank's threads draw them at once (runtime/gil.py: why the
-    # switch interval is shortened meanwhile)
+    # Tiles are independent and land in disjoint parts of `out`: the rank's threads draw them at
+    # once (runtime/gil.py: why the switch interval is shortened meanwhile)
     with short_switch_interval(), \
             ThreadPoolExecutor(workers, thread_name_prefix="dr_scale draw") as pool:
-        list(pool.map(fill, [blocks[i::workers] for i in range(workers)]))
+        list(pool.map(fill, [tiles[i::workers] for i in range(workers)]))
     return out
 
 
-_BLOCKS_A_THREAD = 8  # fewer and a thread's start costs more than it draws
+_TILES_A_THREAD = 8  # fewer and a thread's start costs more than it draws
+
+
+def initial_values(rule: tuple, shape, name: str, start: int, count: int) -> torch.Tensor:
+    """Elements [start, start + count) of the initial value in its flat (row-major) order, fp32
+    on the CPU: the bands of the rows they fall in are drawn, then cut."""
+    if count == 0:
+        return torch.empty(0, dtype=torch.float32)
+    columns = Tiling(shape).columns
+    first_row, end_row = start // columns, -(-(start + count) // columns)
+    rows = initial_block(rule, shape, name, range(first_row, end_row), range(columns))
+    offset = start - first_row * columns
+    return rows.view(-1)[offset:offset + count]
 
 
 def initial_value(rule: tuple, shape, name: str) -> torch.Tensor:
     """The parameter's initial value, whole, in fp32 on the CPU (device and dtype explicit: a
     default dtype or device set elsewhere does not reach it)."""
-    shape = tuple(shape)
-    return initial_values(rule, name, 0, int(torch.Size(shape).numel())).view(shape)
+    tiling = Tiling(shape)
+    return initial_block(rule, shape, name, range(tiling.rows),
+                         range(tiling.columns)).view(tuple(shape))
 
 
 def zero3_partition_range(param) -> tuple:

@@ -195,7 +195,8 @@ def init_weights(model: nn.Module, std: float, num_layers: int):
         if hasattr(param, "ds_id") and not _on_nvme(param):
             start, count = zero3_partition_range(param)
             part = param.ds_tensor
-            part.narrow(0, 0, count).copy_(initial_values(rule, name, start, count))
+            part.narrow(0, 0, count).copy_(initial_values(rule, param.ds_shape, name, start,
+                                                              count))
             part.narrow(0, count, part.numel() - count).zero_()  # the padding
             continue
         with whole(param):

@@ -8,9 +8,9 @@
 - Tensor or pipeline parallelism: the model is built on the meta device (nothing allocated),
   cut into this rank's pipeline stage and split into its tensor-parallel slices there
   (parallel/parallelize.py), and only then made real by `materialize`: each parameter left on
-  this rank gets its initial value, or the init_from folder's, made whole one tensor at a time
-  and cut to this rank's slice. A rank holds its own slices of its own stage, plus one whole
-  tensor while it is cut.
+  this rank gets its initial value, only its slice drawn, or the init_from folder's, read whole
+  one tensor at a time and cut to this rank's slice. A rank holds its own slices of its own
+  stage, plus one whole tensor of an init_from folder while it is cut.
 - Otherwise every rank builds the whole model (it keeps all of it anyway).
 
 Every way gives each parameter the same values from the same seed: element i of a tensor is
@@ -27,7 +27,7 @@ from torch import nn
 from dr_scale.config import ds_config as dsc
 from dr_scale.models import build_model
 from dr_scale.models.build import construct, initialize
-from dr_scale.models.initial_values import initial_value, initial_values
+from dr_scale.models.initial_values import initial_block, initial_value, initial_values
 from dr_scale.models.layers import initial_rules
 from dr_scale.parallel.topology import Topology
 
@@ -132,7 +132,13 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
             elif weights is None and dim in (None, 0):
                 # the whole tensor or whole rows: one range of the flat order, only it drawn
                 row = part[0].numel() if part.dim() else 1
-                part.view(-1).copy_(initial_values(rule, name, first * row, part.numel()))
+                part.view(-1).copy_(initial_values(rule, whole_shape, name, first * row,
+                                                   part.numel()))
+            elif weights is None and dim == len(whole_shape) - 1:
+                # whole columns (a row-parallel slice): only the tiles of its columns drawn
+                rows = range(part.numel() // part.shape[-1])
+                columns = range(first, first + part.shape[-1])
+                part.copy_(initial_block(rule, whole_shape, name, rows, columns).view(part.shape))
             else:
                 whole = initial_value(rule, whole_shape, name) if weights is None \
                     else weights.read(name)
