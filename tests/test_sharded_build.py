@@ -3,7 +3,8 @@ it is built, and the gathered values equal an unsharded build's from the same se
 initialisation keeps its distribution exactly), fp32 and bf16, with and without biases; and a
 Hugging Face folder loaded into it (model.init_from) gives each rank the file's values. Under
 tensor and pipeline parallelism: built on meta, each rank makes real only its slices or its
-stage, equal to DeepSpeed's split of the whole model built from the same seed."""
+stage, equal to DeepSpeed's split of the whole model built from the same seed, and a
+row-parallel slice draws only its own columns' values."""
 import json
 import math
 
@@ -52,6 +53,12 @@ def test_tensor_and_pipeline_parallel_make_real_only_this_ranks_part(tmp_path):
                 assert p["equal"] and not p["meta"], (case, name)
             if case.endswith("tp2"):  # every tensor made, as this rank's slice only
                 assert r["made"] == r["held"] and r["left_on_meta"] == 0, case
+                # a row-parallel slice (a matrix, its columns cut) draws only its columns' tiles
+                cut = {n: p for n, p in r["params"].items()
+                       if p["columns_cut"] and len(p["shape"]) == 2}
+                assert len(cut) >= 8, case  # o_proj and down_proj of 4 layers at least
+                for name, p in cut.items():
+                    assert p["drawn"] == p["numel"], (case, name)
                 # the matrices are halved, the norms (and GPT-2's row-parallel biases) whole
                 assert r["total"] / 2 <= r["held"] < 0.55 * r["total"], case
                 assert all(r["loaded"].values()) and len(r["loaded"]) == len(r["params"]), case

@@ -12,6 +12,29 @@ import torch.multiprocessing as mp
 from rank_result import write_and_leave
 
 
+def materialize_counting_draws(module):
+    """materialize(module), and the elements drawn for each parameter name: the tiles whose
+    generators were seeded, by their sizes."""
+    from dr_scale.models import initial_values as iv
+    from dr_scale.parallel.sharded_build import ORIGIN, materialize
+
+    seeded, real = set(), iv._generator
+    iv._generator = lambda seed, name, band, chunk: seeded.add((name, band, chunk)) or \
+        real(seed, name, band, chunk)
+    try:
+        made = materialize(module)
+    finally:
+        iv._generator = real
+    drawn = {}
+    for p in module.parameters():
+        name, whole_shape, _ = getattr(p, ORIGIN)
+        tiling = iv.Tiling(whole_shape)
+        drawn[name] = sum(len(rows) * len(columns) for band, chunk, rows, columns
+                          in tiling.tiles(range(tiling.rows), range(tiling.columns))
+                          if (name, band, chunk) in seeded)
+    return made, drawn
+
+
 def rank_main(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
@@ -44,7 +67,7 @@ def rank_main(rank, port, out):
         meta = build_for_run(shape, ds, topo)
         built_meta = all(p.is_meta for p in meta.parameters())
         mine = split(meta, shape, topo)
-        made = materialize(mine)
+        made, drawn = materialize_counting_draws(mine)
         torch.manual_seed(1234)
         whole = build_model(shape)
         stats = {n: (p.mean().item(), p.std().item()) for n, p in whole.named_parameters()}
@@ -52,8 +75,11 @@ def rank_main(rank, port, out):
         rows = {}
         for (name, p), (ref_name, q) in zip(mine.named_parameters(), reference.named_parameters()):
             assert name == ref_name
+            origin_name, whole_shape, _ = p.dr_origin
             rows[name] = {"equal": bool(torch.equal(p, q)), "meta": p.is_meta,
-                          "shape": list(p.shape)}
+                          "shape": list(p.shape), "numel": p.numel(),
+                          "columns_cut": list(p.shape)[-1:] != list(whole_shape)[-1:],
+                          "drawn": drawn.get(origin_name, 0)}
         # what this rank never made: the other stage's layers stay on meta
         left = sum(p.numel() for p in meta.parameters() if p.is_meta)
         case = {"params": rows, "made": made, "held": sum(p.numel() for p in mine.parameters()),
