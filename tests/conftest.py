@@ -35,6 +35,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PRETRAIN = ROOT / "launchers" / "pretrain.py"
 
 
+# The suite's runs save real DeepSpeed checkpoints: measured with 2 workers, its temporary
+# folder held up to 3.5 GB at once (passing tests' folders are removed as they end: pytest.ini,
+# module_folder). Started with less free, it fails part-way with errors that do not say why.
+NEEDS_FREE_GB = 5
+
+
+def pytest_sessionstart(session):
+    base = session.config.option.basetemp or tempfile.gettempdir()
+    while not os.path.isdir(base):  # a --basetemp not made yet: its parent's disk
+        base = os.path.dirname(os.path.abspath(base))
+    free = shutil.disk_usage(base).free / 1e9
+    if free < NEEDS_FREE_GB:
+        pytest.exit(f"tests: {free:.1f} GB free in {base}, {NEEDS_FREE_GB} GB needed (the suite "
+                    f"holds up to 3.5 GB of checkpoints there at once): free some, or point "
+                    f"--basetemp at a disk with room", returncode=2)
+
+
 def module_folder(request, tmp_path_factory, name: str) -> Path:
     """A folder for a module-scoped fixture's runs, removed when the fixture is torn down if no
     test failed meanwhile (pytest.ini removes passing tests' own tmp_path at once; a module's

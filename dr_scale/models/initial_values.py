@@ -16,10 +16,11 @@ Why tiles of torch's CPU generator rather than a counter-based hash of each elem
 vectorised hash with the Box-Muller transform ran at 20.7 ns an element on these CPUs against
 torch.normal's 6.2 (measured 2026-12-04), and CPU generators give the same numbers on any
 machine, so a GPU rank draws on its host and copies. A tile is drawn into a scratch buffer and
-copied to its place: a whole 8192 x 8192 tensor costs 4.37 ns an element on one thread and 2.78
-on two (the rank's threads draw its tiles at once), against 4.16 and 2.30 for blocks of the flat
-order drawn in place, and a row-parallel slice of TP 8 0.13x of its whole tensor (Intel Xeon with
-AMX, 2026-12-07; with Python's default 5 ms GIL switch interval two threads gained nothing).
+copied to its place: a whole 8192 x 8192 tensor costs 4.45 ns an element on one thread and 2.70
+on two (the rank's threads draw its tiles at once), against 4.21 and 2.49 for blocks of the flat
+order drawn in place (medians of 6, interleaved), and a row-parallel slice of TP 8 0.13x of its
+whole tensor (Intel Xeon with AMX, 2026-12-07; with Python's default 5 ms GIL switch interval two
+threads gained nothing).
 """
 import hashlib
 import math
@@ -92,10 +93,12 @@ def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) ->
         fill(tiles)
         return out
     # Tiles are independent and land in disjoint parts of `out`: the rank's threads draw them at
-    # once (runtime/gil.py: why the switch interval is shortened meanwhile)
+    # once (runtime/gil.py: why the switch interval is shortened meanwhile), each a run of
+    # neighbouring tiles (2.70 against 3.06 ns an element for every other tile, two threads)
+    share = -(-len(tiles) // workers)
     with short_switch_interval(), \
             ThreadPoolExecutor(workers, thread_name_prefix="dr_scale draw") as pool:
-        list(pool.map(fill, [tiles[i::workers] for i in range(workers)]))
+        list(pool.map(fill, [tiles[i * share:(i + 1) * share] for i in range(workers)]))
     return out
 
 
