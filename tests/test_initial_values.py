@@ -1,11 +1,13 @@
 """Initial values do not depend on who draws them (models/initial_values.py): a range of the flat
 order, a block of rows or of columns equals the same part of the whole tensor's draw, with one
-thread or several, bitwise; a part draws only the tiles it touches."""
+thread or several, bitwise (and written into bf16, rounded once); a part draws only the tiles it
+touches."""
 import pytest
 import torch
 
 from dr_scale.models import initial_values as iv
-from dr_scale.models.initial_values import BLOCK, initial_block, initial_value, initial_values
+from dr_scale.models.initial_values import (BLOCK, fill_block, fill_values, initial_block,
+                                            initial_value, initial_values)
 
 RULE = ("normal", 0.02)
 
@@ -28,6 +30,16 @@ def test_ranges_and_threads_draw_the_same_numbers(seeded):
     for start, count in [(0, 5), (100, BLOCK + 3), (3 * BLOCK, 20 * BLOCK), (7, 39 * BLOCK)]:
         assert torch.equal(initial_values(RULE, shape, "layers.0.w", start, count),
                            flat[start:start + count]), (start, count)
+    # written straight into a bf16 partition: the same numbers, rounded once; ranges inside one
+    # row, across two ragged rows, and whole rows with ragged ends
+    width = shape[1]
+    for start, count in [(5, 9), (width - 3, 10), (width + 7, 3 * width + 11), (0, 2 * width)]:
+        part = torch.empty(count, dtype=torch.bfloat16)
+        fill_values(RULE, shape, "layers.0.w", start, part)
+        assert torch.equal(part, flat[start:start + count].bfloat16()), (start, count)
+    block = torch.empty(5, 300, dtype=torch.bfloat16)
+    fill_block(RULE, shape, "layers.0.w", range(30, 35), range(1000, 1300), block)
+    assert torch.equal(block, whole[30:35, 1000:1300].bfloat16())
     assert not torch.equal(initial_value(RULE, shape, "layers.1.w"), whole)  # by name
     assert abs(float(whole.std()) - 0.02) < 2e-4
 

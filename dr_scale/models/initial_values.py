@@ -61,16 +61,16 @@ def _generator(seed: int, name: str, band: int, chunk: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) -> torch.Tensor:
-    """Rows x columns of parameter `name`'s initial value (its `shape` seen as a matrix, Tiling),
-    fp32 on the CPU, (len(rows), len(columns)). `rule`: ("zeros",), ("ones",) or ("normal",
-    std) (models/layers.py initial_rules)."""
+def fill_block(rule: tuple, shape, name: str, rows: range, columns: range, out: torch.Tensor):
+    """Write rows x columns of parameter `name`'s initial value (its `shape` seen as a matrix,
+    Tiling) into `out`, (len(rows), len(columns)) of any floating dtype on the CPU: drawn in
+    fp32, rounded once as it is written. `rule`: ("zeros",), ("ones",) or ("normal", std)
+    (models/layers.py initial_rules)."""
     if rule[0] in ("zeros", "ones"):
-        return torch.full((len(rows), len(columns)), 0.0 if rule[0] == "zeros" else 1.0,
-                          dtype=torch.float32)
-    out = torch.empty(len(rows), len(columns), dtype=torch.float32)
+        out.fill_(0.0 if rule[0] == "zeros" else 1.0)
+        return
     if out.numel() == 0:
-        return out
+        return
     tiling, seed, std = Tiling(shape), torch.initial_seed(), rule[1]
     tiles = list(tiling.tiles(rows, columns))
     scratch = threading.local()
@@ -91,7 +91,7 @@ def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) ->
     workers = min(torch.get_num_threads(), len(tiles) // _TILES_A_THREAD)
     if workers <= 1:
         fill(tiles)
-        return out
+        return
     # Tiles are independent and land in disjoint parts of `out`: the rank's threads draw them at
     # once (runtime/gil.py: why the switch interval is shortened meanwhile), each a run of
     # neighbouring tiles (2.70 against 3.06 ns an element for every other tile, two threads)
@@ -99,30 +99,65 @@ def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) ->
     with short_switch_interval(), \
             ThreadPoolExecutor(workers, thread_name_prefix="dr_scale draw") as pool:
         list(pool.map(fill, [tiles[i * share:(i + 1) * share] for i in range(workers)]))
-    return out
 
 
 _TILES_A_THREAD = 8  # fewer and a thread's start costs more than it draws
 
 
-def initial_values(rule: tuple, shape, name: str, start: int, count: int) -> torch.Tensor:
-    """Elements [start, start + count) of the initial value in its flat (row-major) order, fp32
-    on the CPU: the bands of the rows they fall in are drawn, then cut."""
-    if count == 0:
-        return torch.empty(0, dtype=torch.float32)
+def fill_values(rule: tuple, shape, name: str, start: int, out: torch.Tensor):
+    """Write elements [start, start + out.numel()) of the initial value in its flat (row-major)
+    order into the 1-D `out` (a ZeRO-3 partition): its whole rows in place, the ragged ends of
+    the first and last rows drawn whole and cut."""
     columns = Tiling(shape).columns
-    first_row, end_row = start // columns, -(-(start + count) // columns)
-    rows = initial_block(rule, shape, name, range(first_row, end_row), range(columns))
-    offset = start - first_row * columns
-    return rows.view(-1)[offset:offset + count]
+    end = start + out.numel()
+    first_whole, end_whole = -(-start // columns), end // columns
+    if first_whole >= end_whole:  # no row whole: the one or two rows it touches, cut
+        first = start // columns
+        touched = initial_block(rule, shape, name, range(first, -(-end // columns)),
+                                range(columns))
+        out.copy_(touched.view(-1)[start - first * columns:end - first * columns])
+        return
+    head, tail = first_whole * columns - start, end - end_whole * columns
+    fill_block(rule, shape, name, range(first_whole, end_whole), range(columns),
+               out[head:out.numel() - tail].view(-1, columns))
+    if head:
+        row = initial_block(rule, shape, name, range(first_whole - 1, first_whole), range(columns))
+        out[:head].copy_(row.view(-1)[columns - head:])
+    if tail:
+        row = initial_block(rule, shape, name, range(end_whole, end_whole + 1), range(columns))
+        out[out.numel() - tail:].copy_(row.view(-1)[:tail])
+
+
+def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) -> torch.Tensor:
+    """Rows x columns of the initial value, fp32 on the CPU (fill_block)."""
+    out = torch.empty(len(rows), len(columns), dtype=torch.float32)
+    fill_block(rule, shape, name, rows, columns, out)
+    return out
+
+
+def initial_values(rule: tuple, shape, name: str, start: int, count: int) -> torch.Tensor:
+    """Elements [start, start + count) of the initial value in its flat order, fp32 on the CPU
+    (fill_values)."""
+    out = torch.empty(count, dtype=torch.float32)
+    if count:
+        fill_values(rule, shape, name, start, out)
+    return out
+
+
+def fill_value(rule: tuple, name: str, out: torch.Tensor):
+    """Write the parameter's whole initial value into `out` (its shape, any floating dtype,
+    contiguous, on the CPU)."""
+    tiling = Tiling(out.shape)
+    fill_block(rule, out.shape, name, range(tiling.rows), range(tiling.columns),
+               out.view(tiling.rows, tiling.columns))
 
 
 def initial_value(rule: tuple, shape, name: str) -> torch.Tensor:
     """The parameter's initial value, whole, in fp32 on the CPU (device and dtype explicit: a
     default dtype or device set elsewhere does not reach it)."""
-    tiling = Tiling(shape)
-    return initial_block(rule, shape, name, range(tiling.rows),
-                         range(tiling.columns)).view(tuple(shape))
+    out = torch.empty(tuple(shape), dtype=torch.float32)
+    fill_value(rule, name, out)
+    return out
 
 
 def zero3_partition_range(param) -> tuple:

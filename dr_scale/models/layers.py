@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from dr_scale.errors import DrScaleError
 from dr_scale.kernels import ops, reference
 from dr_scale.kernels.registry import implementation
-from dr_scale.models.initial_values import (initial_value, initial_values,
-                                            zero3_partition_range)
+from dr_scale.models.initial_values import fill_value, fill_values, zero3_partition_range
 
 
 class RMSNorm(nn.Module):
@@ -195,12 +194,11 @@ def init_weights(model: nn.Module, std: float, num_layers: int):
         if hasattr(param, "ds_id") and not _on_nvme(param):
             start, count = zero3_partition_range(param)
             part = param.ds_tensor
-            part.narrow(0, 0, count).copy_(initial_values(rule, param.ds_shape, name, start,
-                                                              count))
+            fill_values(rule, param.ds_shape, name, start, part.narrow(0, 0, count))
             part.narrow(0, count, part.numel() - count).zero_()  # the padding
             continue
         with whole(param):
-            param.data.copy_(initial_value(rule, param.shape, name))
+            fill_value(rule, name, param.data)
 
 
 def _on_nvme(param) -> bool:

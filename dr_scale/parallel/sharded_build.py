@@ -27,7 +27,7 @@ from torch import nn
 from dr_scale.config import ds_config as dsc
 from dr_scale.models import build_model
 from dr_scale.models.build import construct, initialize
-from dr_scale.models.initial_values import initial_block, initial_value, initial_values
+from dr_scale.models.initial_values import fill_block, fill_values, initial_value
 from dr_scale.models.layers import initial_rules
 from dr_scale.parallel.topology import Topology
 
@@ -132,13 +132,12 @@ def materialize(module: nn.Module, weights=None, dtype=None, partition=None) -> 
             elif weights is None and dim in (None, 0):
                 # the whole tensor or whole rows: one range of the flat order, only it drawn
                 row = part[0].numel() if part.dim() else 1
-                part.view(-1).copy_(initial_values(rule, whole_shape, name, first * row,
-                                                   part.numel()))
+                fill_values(rule, whole_shape, name, first * row, part.view(-1))
             elif weights is None and dim == len(whole_shape) - 1:
                 # whole columns (a row-parallel slice): only the tiles of its columns drawn
                 rows = range(part.numel() // part.shape[-1])
                 columns = range(first, first + part.shape[-1])
-                part.copy_(initial_block(rule, whole_shape, name, rows, columns).view(part.shape))
+                fill_block(rule, whole_shape, name, rows, columns, part.view(len(rows), -1))
             else:
                 whole = initial_value(rule, whole_shape, name) if weights is None \
                     else weights.read(name)
