@@ -62,10 +62,10 @@ def test_layouts_give_the_same_losses(ep_runs):
         got = losses(runs[name])
         assert sorted(got) == sorted(want), name
         # Until step 4 the layouts differ by their summation orders' rounding (2e-7 in the
-        # loss). At step 5 this run meets a sensitive point: its gradient norm jumps 40x in every
-        # layout (to ~72, led by the embedding and layer 0's attention, at the peak learning
-        # rate), and the rounding grows there to 1.4e-5 in the loss and 6% in that norm (two
-        # 1-rank runs with other thread counts: 2.6e-6 in the loss).
+        # loss). At step 5 this run meets a sensitive point: its gradient norm jumps 40x for that
+        # step in every layout (to ~72, led by the embedding and layer 0's attention; the dense
+        # tiny preset has no such step), and the rounding grows there to 1.4e-5 in the loss and
+        # 6% in that norm (two 1-rank runs with other thread counts: 2.6e-6 in the loss).
         agreeing = 0
         for step in sorted(got):
             r, w = got[step], want[step]
