@@ -10,13 +10,14 @@ and the chunk. A rank draws only the tiles its part touches:
   bands of its rows;
 - a row-parallel slice (whole columns, the last dimension cut by tensor parallelism of 2, 4 or
   8): the chunks of its columns, 1/8 of the tensor's tiles for each chunk it holds.
-So no rank draws the whole model, and no tensor is gathered to be set.
+So no rank draws the whole model, and no tensor is gathered to be set. (A band holds 65,536 /
+(columns / 8) rows: a small tensor is one band, drawn whole by every rank that holds any row.)
 
 Why tiles of torch's CPU generator rather than a counter-based hash of each element: a
 vectorised hash with the Box-Muller transform ran at 20.7 ns an element on these CPUs against
 torch.normal's 6.2 (measured 2026-12-04), and CPU generators give the same numbers on any
 machine, so a GPU rank draws on its host and copies. A tile is drawn into a scratch buffer and
-copied to its place: a whole 8192 x 8192 tensor costs 4.45 ns an element on one thread and 2.70
+written to its place in the destination's dtype: a whole 8192 x 8192 tensor costs 4.45 ns an element on one thread and 2.70
 on two (the rank's threads draw its tiles at once), against 4.21 and 2.49 for blocks of the flat
 order drawn in place (medians of 6, interleaved), and a row-parallel slice of TP 8 0.13x of its
 whole tensor (Intel Xeon with AMX, 2026-12-07; with Python's default 5 ms GIL switch interval two
