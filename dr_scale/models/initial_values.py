@@ -17,11 +17,11 @@ Why tiles of torch's CPU generator rather than a counter-based hash of each elem
 vectorised hash with the Box-Muller transform ran at 20.7 ns an element on these CPUs against
 torch.normal's 6.2 (measured 2026-12-04), and CPU generators give the same numbers on any
 machine, so a GPU rank draws on its host and copies. A tile is drawn into a scratch buffer and
-written to its place in the destination's dtype: a whole 8192 x 8192 tensor costs 4.45 ns an element on one thread and 2.70
-on two (the rank's threads draw its tiles at once), against 4.21 and 2.49 for blocks of the flat
-order drawn in place (medians of 6, interleaved), and a row-parallel slice of TP 8 0.13x of its
-whole tensor (Intel Xeon with AMX, 2026-12-07; with Python's default 5 ms GIL switch interval two
-threads gained nothing).
+written to its place in the destination's dtype: a whole 8192 x 8192 tensor costs 4.45 ns an
+element on one thread and 2.70 on two (the rank's threads draw its tiles at once), against 4.21
+and 2.49 for blocks of the flat order drawn in place (medians of 6, interleaved), and a
+row-parallel slice of TP 8 0.13x of its whole tensor (Intel Xeon with AMX, 2026-12-07; with
+Python's default 5 ms GIL switch interval two threads gained nothing).
 """
 import hashlib
 import math
@@ -133,15 +133,6 @@ def initial_block(rule: tuple, shape, name: str, rows: range, columns: range) ->
     """Rows x columns of the initial value, fp32 on the CPU (fill_block)."""
     out = torch.empty(len(rows), len(columns), dtype=torch.float32)
     fill_block(rule, shape, name, rows, columns, out)
-    return out
-
-
-def initial_values(rule: tuple, shape, name: str, start: int, count: int) -> torch.Tensor:
-    """Elements [start, start + count) of the initial value in its flat order, fp32 on the CPU
-    (fill_values)."""
-    out = torch.empty(count, dtype=torch.float32)
-    if count:
-        fill_values(rule, shape, name, start, out)
     return out
 
 
