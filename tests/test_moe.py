@@ -1,7 +1,8 @@
 """The mixture-of-experts family (models/mixtral.py, models/moe.py): its block against
-transformers' Mixtral block (forward and backward), grouped experts against the loop, the capacity's drops, the counts
-against the published models, and a run: trained on 2 ranks with the router's figures in the
-records, exported, loaded and scored by transformers, imported back."""
+transformers' Mixtral block (forward and backward), grouped experts against the loop, the
+capacity's drops, the counts against the published models, and a run: trained on 2 ranks with
+the router's figures in the records, exported, loaded and scored by transformers, imported
+back."""
 import contextlib
 import json
 
