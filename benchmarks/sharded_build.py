@@ -39,7 +39,7 @@ def rank_main(rank, port, preset, layout, way, dtype_name, out):
     from dr_scale.models import build_model, resolve_shape
     from dr_scale.parallel.pipeline import to_pipeline
     from dr_scale.parallel.sharded_build import build_for_run
-    from dr_scale.parallel.tensor import shard_model
+    from dr_scale.parallel.tensor import autotp_section, shard_model
     from dr_scale.parallel.topology import Topology
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -51,7 +51,7 @@ def rank_main(rank, port, preset, layout, way, dtype_name, out):
     torch.manual_seed(1234)
     model = build_model(shape) if way == "whole" else build_for_run(shape, {}, topo)
     if topo.autotp:
-        shard_model(model, shape, topo, vocab_parallel=True)
+        shard_model(model, shape, topo, autotp_section(shape, topo.tensor, True), vocab_parallel=True)
         if way == "meta":
             from dr_scale.parallel.sharded_build import materialize
 

@@ -2,8 +2,9 @@
 [dotted.key=value ...]` (or `deepspeed --module dr_scale.launch ...` from an installed copy).
 
 The run is a plan, then steps: check (dr_scale/plan.py: everything a config can get wrong,
-before any process group) -> start_group -> prepare_data -> build -> parallelize -> engine ->
-trainer. Each step takes the plan and adds what needs ranks.
+before any process group, writing nothing) -> prepare_files (what writes before the group: a
+fresh start's leftovers cleared, a checkpoint converted) -> start_group -> prepare_data -> build
+-> parallelize -> engine -> trainer. Each step takes the plan and adds what needs ranks.
 """
 import os
 import sys
@@ -15,6 +16,7 @@ from dr_scale.config import ds_config as dsc
 from dr_scale.config.arguments import parse_args
 from dr_scale.data.prepare import prepare_data
 from dr_scale.runtime.process_group import close_distributed
+from dr_scale.runtime.ranks import global_rank, say, say_error
 from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
                              TrainingStopped)
 from dr_scale.export.hf import load_into
@@ -25,10 +27,11 @@ from dr_scale.parallel.parallelize import parallelize
 from dr_scale.parallel.sharded_build import LOADED_LATER, build_for_run
 from dr_scale.plan import RunPlan, check, start_group
 from dr_scale.train import hangs, host_memory
-from dr_scale.train.engine import check_precision, initialize_engine
+from dr_scale.train.engine import initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.expert_load_plot import plot_expert_load
 from dr_scale.train.plot import plot_curves
+from dr_scale.train.resume import prepare_files
 from dr_scale.train.schedule import build_scheduler
 from dr_scale.train.start import run_facts, start_lines, write_run_snapshot
 from dr_scale.train.trainer import Trainer
@@ -36,21 +39,22 @@ from dr_scale.train.trainer import Trainer
 
 def run(plan: RunPlan):
     warm_imports.start()  # the engine's imports, beside the rendezvous, data and build
+    prepare_files(plan)                                                               # files
     group = start_group(plan)                                                         # ranks
-    check_precision(group.ds, plan.precision, plan.ds_path)
-    offload_note = nvme_offload.prepare_dirs(group.ds, str(plan.ds_path))
-    if "offload_param" in nvme_offload.nvme_sections(group.ds):
+    deepspeed, batch = plan.deepspeed, plan.deepspeed.batch
+    offload_note = nvme_offload.prepare_dirs(group.ds, deepspeed.source)
+    if "offload_param" in deepspeed.nvme_sections:
         nvme_offload.swap_in_each_parameter_once()
     resume = plan.resume
-    sources = prepare_data(plan.cfg, group.batch_sizes, group.run_dir if resume else None,  # data
+    sources = prepare_data(plan.cfg, plan.data, batch,                                # data
                            (resume.step, resume.consumed_samples) if resume else (0, 0))
     shape = with_tokenizer_vocab(plan.shape, plan.cfg, sources.tokenizer.vocab_size,  # model
                                  group.topology)
-    shape, kernels_line = select_kernels(shape, plan.cfg, group.device.type, plan.precision,
-                                         group.topology)
+    shape, kernels_line = select_kernels(shape, plan.cfg, group.device.type,
+                                         deepspeed.precision, group.topology)
     compiled, compile_line = compile_choice.settle(
-        shape, plan.cfg, dsc.zero_stage(group.ds), group.device,
-        dsc.torch_dtype(plan.precision), group.batch_sizes["micro"], kernels_line)
+        shape, plan.cfg, group.topology, deepspeed.stage, group.device, deepspeed.dtype,
+        batch["micro"], kernels_line)
     torch.manual_seed(plan.cfg.train.seed)
     # glibc's handling of freed host memory, set before the build's tensors are made and freed
     memory_note = host_memory.settle(plan.cfg.train.release_host_memory, group.device.type)
@@ -60,12 +64,12 @@ def run(plan: RunPlan):
                           draw=not resume and initial is None)
     if initial is not None:
         load_into(model, initial, plan.cfg.model.init_from)  # on meta: checked only
-    facts = run_facts(model, shape, plan.cfg, plan.precision, group.device, group.batch_sizes,
+    facts = run_facts(model, shape, plan.cfg, deepspeed.precision, group.device, batch,
                       group.topology)
     parallel = parallelize(model, shape, group.topology, plan.cfg, group.ds,  # parallel
                            LOADED_LATER if resume else initial, compiled)
     if group.topology.rank == 0:
-        write_run_snapshot(plan, group, parallel.ds, shape, facts, sources)
+        write_run_snapshot(plan, group, shape, facts, sources)
     comm.barrier()
     # a fresh start in a run folder that never saved: all its earlier records are set aside
     logger = MetricsLogger(group.run_dir, plan.cfg.logging, plan.cfg.train.max_steps,
@@ -75,13 +79,13 @@ def run(plan: RunPlan):
                             memory_note):
         logger.info(line)
     logger.info(compile_line)
-    scheduler = None if "scheduler" in group.ds else \
+    scheduler = None if deepspeed.has_scheduler else \
         (lambda opt: build_scheduler(opt, plan.cfg.train))
     warm_imports.finish()
-    engine = initialize_engine(parallel.model, parallel.ds, plan.cfg.train, scheduler,  # engine
-                               plan.ds_path, parallel.mpu)
+    engine = initialize_engine(parallel.model, group.ds, plan.cfg.train, scheduler,  # engine
+                               deepspeed.path, parallel.mpu)
     parallel.after_engine(engine)
-    trainer = Trainer(engine, plan.cfg, sources, group.batch_sizes, group.topology,        # trainer
+    trainer = Trainer(engine, plan.cfg, sources, batch, group.topology,                # trainer
                       group.run_dir, logger, facts, group.device, plan.callbacks,
                       stop_at_step=plan.stop_at_step, resume_plan=resume)
     if resume:
@@ -105,12 +109,12 @@ def main(argv=None):
         run(check(args))
         code = 0
     except TrainingStopped as e:
-        if os.environ.get("RANK", "0") == "0":
+        if global_rank() == 0:
             say(f"dr_scale: stopped: {e}")
         close_distributed()  # every rank stops at the same step, so they can leave together
         code = EXIT_PREEMPTED if isinstance(e, Preempted) else EXIT_STOPPED
     except RuntimeError as e:  # a collective that timed out or lost its peer: one line
-        error = hangs.as_error(e, int(os.environ.get("RANK", "0")))
+        error = hangs.as_error(e, global_rank())
         if error is None:
             raise
         say(f"dr_scale: error: {error}")
@@ -126,21 +130,6 @@ def main(argv=None):
         say_error(str(e))
         code = 2
     leave(code)
-
-
-def say_error(text: str):
-    """`dr_scale: error: text`, prefixed by the rank on every rank but 0."""
-    rank = os.environ.get("RANK", "0")
-    say(f"{'' if rank == '0' else f'[rank {rank}] '}dr_scale: error: {text}")
-
-
-def say(line: str):
-    """One line to stderr in one write. print() writes the text and its newline separately, and
-    with stderr unbuffered (PYTHONUNBUFFERED, as launchers and schedulers often set it) two ranks
-    stopping at once printed "line0line1\\n\\n": one merged line, seen in CI. A pipe takes a
-    write of up to 4 KiB whole, so each rank's line stays its own."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def leave(code: int):

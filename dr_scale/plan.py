@@ -1,15 +1,14 @@
 """The run as a plan: `check(args)` reads the command line, the experiment config and the
 DeepSpeed JSON, makes every refusal and the memory check, and returns one frozen RunPlan, before
-any process group exists. Each step of the run after it (dr_scale/launch.py) takes the plan and
-adds only what needs ranks; nothing here is computed again.
+any process group exists, writing nothing (the steps that write come after it: `prepare_files`
+in train/resume.py, then the process group). Each step of the run after it (dr_scale/launch.py)
+takes the plan and adds only what needs ranks; nothing here is computed again.
 
 What the plan cannot hold is what the ranks make: the run folder's default name (one timestamp
 for all ranks), the tokenizer of the bundled corpus (built by each node's first rank), and so the
 vocabulary (`RunPlan.shape` has the config's; the data step settles it).
 """
-import copy
-import os
-import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
@@ -19,36 +18,37 @@ import torch.distributed as dist
 
 from dr_scale.config import ds_config as dsc
 from dr_scale.runtime import nvme_offload, op_builds
+from dr_scale.runtime.ranks import local_rank, warn
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.config import load_config
-from dr_scale.data.loader import dataset_types
+from dr_scale.data.prepare import DataPlan, plan_data
 from dr_scale.runtime.process_group import init_distributed, world_size_from_env
 from dr_scale.errors import DrScaleError
 from dr_scale.export.hf import apply_init_from
 from dr_scale.runtime.hardware import bf16_support
 from dr_scale.models import resolve_shape
-from dr_scale.models.build import ModelShape
+from dr_scale.models.build import ModelShape, vocab_for
 from dr_scale.parallel import memory_guard
 from dr_scale.parallel import parallelize as par
+from dr_scale.parallel.tensor import autotp_section
 from dr_scale.parallel.topology import Topology
 from dr_scale.train import hangs
-from dr_scale.train.resume import (ResumePlan, choose_run_dir, convert_before_group, plan_resume,
-                                  settle_resume)
+from dr_scale.train.engine import check_precision
+from dr_scale.train.resume import (ResumePlan, default_run_dir, plan_resume,
+                                  refuse_old_checkpoints, resume_decision)
+from dr_scale.train.schedule import check_schedule
 
 
 @dataclass(frozen=True)
 class RunPlan:
     cfg: Any                      # the RunConfig, frozen
-    ds_path: Path                 # the DeepSpeed JSON given
-    raw_ds: dict                  # as written
-    ds: dict                      # every "auto" filled for this machine's device
-    precision: str                # fp32 | bf16 | fp16
-    bf16: Any                     # hardware.Bf16Support: why bf16 "auto" chose what it chose
+    deepspeed: dsc.DeepSpeedView  # the DeepSpeed JSON as written and filled; stage, precision...
     device_type: str              # cuda | cpu
     topology: Topology            # rank-less: sizes and layout rules
     shape: ModelShape             # the config's shape (the data step settles the vocabulary)
+    data: DataPlan                # the named tokenizer (loaded) and datasets, checked
     callbacks: List[Any]          # built and checked
-    run_dir: Optional[Path]       # as given (None: the ranks choose a timestamped one)
+    run_dir: Optional[Path]       # resolved (None: the ranks choose a timestamped one)
     resume: Optional[ResumePlan]  # with --resume
     fresh_over_old: bool          # a fresh start in a run folder that never saved
     init_weights: Any = None      # model.init_from's weights (located, not read)
@@ -56,70 +56,87 @@ class RunPlan:
 
 
 def check(args) -> RunPlan:
-    """Everything a config can get wrong, before the process group; see the module's text."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # one machine's folder: one rank says it
+    """Everything a config can get wrong, before the process group, writing nothing; see the
+    module's text. To add a refusal: raise DrScaleError (one line: file, key, what was expected)
+    from the check of the section it concerns, called here."""
+    if local_rank() == 0:  # one machine's folder: one rank says it
         for line in op_builds.lock_warnings():
-            sys.stderr.write(f"dr_scale: warning: {line}\n")  # one write: one line (launch.say)
-            sys.stderr.flush()
-    fresh_over_old = settle_resume(args)
-    cfg, run_dir, init_weights = load_run_config(args)
-    ds_path = dsc.resolve_path(args.ds_config)
-    raw_ds = dsc.read_json(ds_path)
+            warn(line)
+    resume, fresh_over_old = resume_decision(args)
+    cfg, run_dir, init_weights = load_run_config(args, resume)
+    refuse_old_checkpoints(run_dir, resume, fresh_over_old)
     topo = Topology.from_config(world_size_from_env(), cfg.parallel)
     shape = resolve_shape(cfg.model)  # unknown preset, indivisible heads, attention name
     if cfg.data.seq_length > shape.max_seq_length:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
+    check_schedule(cfg.train)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    bf16 = bf16_support(device_type)
-    ds = dsc.fill(raw_ds, cfg, topo.data, source=str(ds_path), bf16_native=bf16.native,
-                  device_type=device_type)
-    par.refusals(shape, topo, cfg, ds, ds_path)
-    nvme_offload.check_system(ds, str(ds_path))
+    deepspeed = deepspeed_view(args.ds_config, cfg, topo, shape, device_type)
+    par.refusals(shape, topo, cfg, deepspeed)
+    nvme_offload.check_system(deepspeed.filled, deepspeed.source)
     callbacks = build_callbacks(cfg.callbacks, topo)
-    dataset_types(cfg.data)
+    data = plan_data(cfg.data, run_dir if resume else None)
+    if data.vocab_size is not None:  # a model.vocab_size smaller than the tokenizer's
+        vocab_for(cfg.model, data.vocab_size)
     if not args.skip_memory_check:  # before any rank allocates the model
-        memory_guard.refuse_if_too_big(cfg, ds, topo, device_type, str(ds_path), shape)
-    resume = None
-    if args.resume:
-        resume = plan_resume(run_dir.resolve(), topo, ds, cfg.train.collective_timeout_s)
-        convert_before_group(resume, topo.world, cfg.train.collective_timeout_s)
+        memory_guard.refuse_if_too_big(cfg, deepspeed.filled, topo, device_type,
+                                       deepspeed.source, shape, vocab=data.vocab_size)
+    resume_plan = None
+    if resume:
+        resume_plan = plan_resume(run_dir, topo, deepspeed, cfg.train.collective_timeout_s)
+        if resume_plan.mode == "universal":
+            deepspeed = dataclasses.replace(deepspeed, filled=dict(
+                deepspeed.filled, checkpoint=dict(deepspeed.filled.get("checkpoint", {}),
+                                                  load_universal=True)))
     cfg.freeze()
-    return RunPlan(cfg, ds_path, raw_ds, ds, dsc.precision(ds), bf16, device_type, topo, shape,
-                   callbacks, run_dir, resume, fresh_over_old, init_weights, args.stop_at_step)
+    return RunPlan(cfg, deepspeed, device_type, topo, shape, data, callbacks, run_dir,
+                   resume_plan, fresh_over_old, init_weights, args.stop_at_step)
+
+
+def deepspeed_view(name_or_path: str, cfg, topo: Topology, shape, device_type: str,
+                   bf16=None) -> dsc.DeepSpeedView:
+    """The DeepSpeed JSON read, filled for this machine and checked; AutoTP's section added
+    under tensor parallelism without a pipeline. `bf16`: what decides bf16 "auto" (default:
+    this machine's runtime.hardware.bf16_support)."""
+    path = dsc.resolve_path(name_or_path)
+    raw = dsc.read_json(path)
+    bf16 = bf16 or bf16_support(device_type)
+    batch = dsc.batch_sizes(cfg.train, topo.data)
+    filled = dsc.fill(raw, cfg, topo.data, source=str(path), bf16_native=bf16.native,
+                      device_type=device_type, batch=batch)
+    check_precision(dsc.precision(filled), path)
+    if topo.autotp:
+        filled["tensor_parallel"] = autotp_section(shape, topo.tensor,
+                                                   cfg.parallel.vocab_parallel)
+    return dsc.DeepSpeedView(path, raw, filled, batch, bf16)
 
 
 @dataclass(frozen=True)
 class Group:
     """What the process group adds to the plan: this rank's place, its device, the run folder
-    (one name for all ranks), the DeepSpeed config with its NVMe paths there."""
+    (one name for all ranks), the DeepSpeed config the engine gets (its NVMe paths there)."""
     topology: Topology
     device: torch.device
     local_world: int
     run_dir: Path
     ds: dict
-    batch_sizes: dict  # micro-batch, accumulation, global batch
 
 
 def start_group(plan: RunPlan) -> Group:
     hangs.configure(plan.cfg.train.collective_timeout_s)
     device, local_world = init_distributed(plan.cfg.train.collective_timeout_s)
-    topo = Topology.from_config(plan.topology.world, plan.cfg.parallel,
-                                dist.get_rank()).with_groups()
-    run_dir = choose_run_dir(plan.run_dir, plan.cfg, plan.resume is not None)
-    ds = copy.deepcopy(plan.ds)
-    nvme_offload.fill_paths(ds, run_dir, raw=plan.raw_ds)
-    if plan.resume is not None and plan.resume.mode == "universal":
-        ds["checkpoint"] = dict(ds.get("checkpoint", {}), load_universal=True)
-    return Group(topo, device, local_world, run_dir, ds, dsc.batch_sizes(plan.cfg.train, topo.data))
+    topo = plan.topology.at_rank(dist.get_rank()).with_groups()
+    run_dir = plan.run_dir or default_run_dir()
+    return Group(topo, device, local_world, run_dir, plan.deepspeed.for_run(run_dir))
 
 
-def load_run_config(args):
-    """(config, run folder or None, weights of model.init_from or None): --resume without
-    --config reads the run's own config; model.init_from's folder decides the shape."""
+def load_run_config(args, resume: bool):
+    """(config, run folder resolved or None, weights of model.init_from or None): --resume
+    without --config reads the run's own config; model.init_from's folder decides the shape."""
     run_dir = Path(args.run_dir) if args.run_dir else None
     config_path = args.config
-    if args.resume:
+    if resume:
         if run_dir is None:
             raise DrScaleError("--resume: needs --run_dir (the run folder to continue)")
         if config_path is None:
@@ -131,4 +148,6 @@ def load_run_config(args):
         raise DrScaleError(f"--stop_at_step {args.stop_at_step}: expected a step >= 1")
     cfg = load_config(config_path, args.overrides)
     init_weights = apply_init_from(cfg) if cfg.model.init_from else None
-    return cfg, run_dir, init_weights
+    if run_dir is None and cfg.run_dir:
+        run_dir = Path(cfg.run_dir)
+    return cfg, run_dir and run_dir.resolve(), init_weights

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from dr_scale.runtime import comm, disk_cache
 from dr_scale.errors import DrScaleError
@@ -242,18 +241,7 @@ def choose(candidates: Dict[str, List[Kernel]], p: Problem, device, dtype,
            use_cache: bool = True) -> Tuple[Dict[str, str], List[Row]]:
     """{op: implementation name} for every op with candidates, and the table behind it (rows of
     ops read from the cache say so). Measured on rank 0 only; every rank returns its choice."""
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    result = None
-    if not distributed or dist.get_rank() == 0:
-        try:
-            result = _choose_here(candidates, p, device, dtype, use_cache)
-        except DrScaleError as e:  # every rank stops with rank 0's reason, none waits forever
-            result = e
-    if distributed:
-        result = comm.broadcast_object(result)
-    if isinstance(result, DrScaleError):
-        raise result
-    return result
+    return comm.decided_by_rank0(lambda: _choose_here(candidates, p, device, dtype, use_cache))
 
 
 def _choose_here(candidates, p, device, dtype, use_cache):

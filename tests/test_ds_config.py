@@ -19,7 +19,9 @@ def test_every_shipped_config_fills(name):
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["gradient_clipping"] == 1.0
     assert dsc.zero_stage(ds) == int(name[4])
-    assert "auto" not in json.dumps(ds)
+    # every "auto" filled but the NVMe swap folder's, which waits for the run folder
+    # (DeepSpeedView.for_run, tests/test_nvme_offload.py)
+    assert "auto" not in json.dumps(ds).replace('"nvme_path": "auto"', "")
 
 
 def test_bare_name_without_extension_resolves():

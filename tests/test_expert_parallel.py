@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from dr_scale.config import ds_config as dsc
 from dr_scale.config.schema import RunConfig
 from dr_scale.errors import DrScaleError
 from dr_scale.models import resolve_shape
 from dr_scale.parallel import parallelize
 from dr_scale.parallel.topology import Topology
+from dr_scale.plan import deepspeed_view
 from tests.conftest import launch, stopped_at, module_folder
 from tests.test_export import export
 from tests.test_train_distributed import fp32_config, records
@@ -156,11 +156,10 @@ def test_refusals_are_one_line(preset, world, ep, ds, extra, pattern):
     cfg.model.compile = extra.get("compile", False)
     if "moe.num_experts" in extra:
         cfg.model.moe.num_experts = extra["moe.num_experts"]
-    path = dsc.resolve_path(ds)
-    ds_dict = dsc.read_json(path)
     with pytest.raises(DrScaleError, match=pattern) as e:
         topo = Topology.from_config(world, cfg.parallel)
-        parallelize.refusals(resolve_shape(cfg.model), topo, cfg, ds_dict, path)
+        shape = resolve_shape(cfg.model)
+        parallelize.refusals(shape, topo, cfg, deepspeed_view(ds, cfg, topo, shape, "cpu"))
     assert "\n" not in str(e.value)
 
 

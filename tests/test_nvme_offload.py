@@ -28,6 +28,17 @@ def test_nvme_path_and_pinning_are_filled_by_run_folder_and_device(tmp_path):
     kept = dsc.fill(mine, cfg, 2, run_dir=tmp_path)["zero_optimization"]["offload_optimizer"]
     assert kept["nvme_path"] == "/local_nvme"
 
+    # a run: the plan keeps "auto", the engine's copy has the run folder's offload/
+    from dr_scale.models import resolve_shape
+    from dr_scale.parallel.topology import Topology
+    from dr_scale.plan import deepspeed_view
+
+    view = deepspeed_view("zero3_nvme", cfg, Topology(2), resolve_shape(cfg.model), "cpu")
+    assert view.filled["zero_optimization"]["offload_optimizer"]["nvme_path"] == "auto"
+    engine = view.for_run(tmp_path)["zero_optimization"]
+    assert engine["offload_optimizer"]["nvme_path"] == str(tmp_path / "offload")
+    assert view.filled["zero_optimization"]["offload_optimizer"]["nvme_path"] == "auto"
+
 
 def test_without_async_io_the_launcher_stops_in_one_line(tmp_path, cache_dir):
     """DeepSpeed decides whether it can build async_io by compiling and linking a program

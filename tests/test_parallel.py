@@ -316,12 +316,12 @@ def test_documents_apart_under_tp_sp_pp_and_checkpointing(packed_reference, shor
 def test_pipeline_refusals_come_with_the_check_before_any_group(overrides, message):
     """parallelize.refusals runs before the process group (launch's first step): a layout the
     pipeline cannot take is refused there."""
-    from dr_scale.config import ds_config as dsc
     from dr_scale.config import load_config
     from dr_scale.models import resolve_shape
     from dr_scale.parallel import parallelize
+    from dr_scale.plan import deepspeed_view
 
     cfg = load_config(None, ["parallel.pipeline_parallel=2", *overrides])
-    ds = dsc.read_json(dsc.resolve_path("zero1"))
+    shape, topo = resolve_shape(cfg.model), Topology(2, pipeline=2)
     with pytest.raises(DrScaleError, match=message):
-        parallelize.refusals(resolve_shape(cfg.model), Topology(2, pipeline=2), cfg, ds, "zero1")
+        parallelize.refusals(shape, topo, cfg, deepspeed_view("zero1", cfg, topo, shape, "cpu"))

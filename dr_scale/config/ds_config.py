@@ -2,6 +2,7 @@
 with one line where the two disagree. DeepSpeed itself then owns everything the JSON says."""
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -83,14 +84,16 @@ def batch_sizes(train_cfg, dp_size: int) -> Dict[str, int]:
 
 def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
          bf16_native: bool = True, device_type: str = "cpu",
-         run_dir: Optional[Path] = None) -> Dict[str, Any]:
+         run_dir: Optional[Path] = None, batch: Optional[Dict[str, int]] = None
+         ) -> Dict[str, Any]:
     """Return a copy of ``ds`` with every "auto" filled and every explicit value checked;
     ``bf16.enabled: "auto"`` becomes ``bf16_native`` (see dr_scale.runtime.hardware), ZeRO's
     communication settings come from ZERO_COMM for ``device_type``, offload's pin_memory is on
-    where there is a GPU to copy to, an NVMe swap folder "auto" is ``run_dir``/offload."""
+    where there is a GPU to copy to, an NVMe swap folder "auto" is ``run_dir``/offload (left
+    "auto" without one). ``batch``: `batch_sizes`' answer where the caller has it."""
     ds = copy.deepcopy(ds)
     t = cfg.train
-    b = batch_sizes(t, dp_size)
+    b = batch or batch_sizes(t, dp_size)
 
     def settle(container: dict, key: str, value, exp_name: str, dotted: Optional[str] = None):
         dotted = dotted or key
@@ -152,7 +155,8 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
     for section in nvme_offload.SECTIONS:
         if (zero.get(section) or {}).get("pin_memory") == "auto":
             zero[section]["pin_memory"] = device_type == "cuda"
-    nvme_offload.fill_paths(ds, run_dir)
+    if run_dir is not None:  # else the run's engine config fills them (DeepSpeedView.for_run)
+        nvme_offload.fill_paths(ds, run_dir)
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise DrScaleError(f"{source}: zero_optimization.stage: expected 0, 1, 2 or 3, got {stage!r}")
@@ -171,28 +175,33 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
         # through .data: bf16 positions collapse past 256
         raise DrScaleError(f"{source}: data_types.buffer_dtype={buffer_dtype!r}: the models' "
                            "buffers (rotary tables) stay fp32; remove the key or set \"fp32\"")
-    leftover = _find_auto(ds)
+    leftover = _find_auto(ds, skip=NVME_PATH)
     if leftover:
         raise DrScaleError(f"{source}: {leftover}: \"auto\" has no value in the experiment config "
                            "here; give a number")
     return ds
 
 
+NVME_PATH = "nvme_path"  # "auto": the run folder's offload/, known once the ranks chose it
+
+
 def _has_auto(obj) -> bool:
     return _find_auto(obj) is not None
 
 
-def _find_auto(obj, prefix="") -> Optional[str]:
+def _find_auto(obj, prefix="", skip=None) -> Optional[str]:
     if obj == "auto":
         return prefix.rstrip(".") or "<root>"
     if isinstance(obj, dict):
         for k, v in obj.items():
-            hit = _find_auto(v, f"{prefix}{k}.")
+            if k == skip:
+                continue
+            hit = _find_auto(v, f"{prefix}{k}.", skip)
             if hit:
                 return hit
     if isinstance(obj, list):
         for i, v in enumerate(obj):
-            hit = _find_auto(v, f"{prefix}[{i}].")
+            hit = _find_auto(v, f"{prefix}[{i}].", skip)
             if hit:
                 return hit
     return None
@@ -251,6 +260,53 @@ def sub_group_size(ds: Dict[str, Any]) -> int:
     sub-group at a time; a checkpoint's optimizer state is laid out by them)."""
     return int(float(ds.get("zero_optimization", {}).get("sub_group_size",
                                                           DEEPSPEED_SUB_GROUP_SIZE)))
+
+
+@dataclass(frozen=True)
+class DeepSpeedView:
+    """The DeepSpeed JSON as a run uses it, read once in the plan; every later step reads its
+    facts here (the ZeRO stage, the precision, offload, the batch sizes) rather than from a dict.
+
+    `raw` is the file as written (the start line says why bf16 "auto" chose what it chose);
+    `filled` has every "auto" filled for this machine, AutoTP's `tensor_parallel` section under
+    tensor parallelism and `checkpoint.load_universal` on a resume through the universal form;
+    `for_run(run_dir)` is the engine's copy, its NVMe swap folders in the run folder."""
+    path: Path
+    raw: Dict[str, Any]
+    filled: Dict[str, Any]
+    batch: Dict[str, int]  # micro, accum (gradient accumulation steps), global
+    bf16: Any              # runtime.hardware.Bf16Support: why bf16 "auto" chose what it chose
+
+    @property
+    def stage(self) -> int:
+        return zero_stage(self.filled)
+
+    @property
+    def precision(self) -> str:
+        return precision(self.filled)
+
+    @property
+    def dtype(self):
+        return torch_dtype(self.precision)
+
+    @property
+    def source(self) -> str:
+        """The file's name as errors give it."""
+        return str(self.path)
+
+    @property
+    def nvme_sections(self):
+        return tuple(nvme_offload.nvme_sections(self.filled))
+
+    @property
+    def has_scheduler(self) -> bool:
+        return "scheduler" in self.filled
+
+    def for_run(self, run_dir: Path) -> Dict[str, Any]:
+        """The config the engine gets: `filled` with "auto" NVMe swap folders in `run_dir`."""
+        ds = copy.deepcopy(self.filled)
+        nvme_offload.fill_paths(ds, run_dir, raw=self.raw)
+        return ds
 
 
 def load(name_or_path: str, cfg, dp_size: int, bf16_native: bool = True) -> Dict[str, Any]:

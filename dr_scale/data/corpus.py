@@ -22,18 +22,26 @@ def _key(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-def bundled_data(cache_dir, vocab_size: int, tokenizer_path=None):
+def bundled_folder(cache_dir, vocab_size: int, given=None) -> Path:
+    """Where the bundled corpus is (or will be) built for these settings; `given`: a loaded
+    tokenizer to tokenize it with, None: one trained on it."""
+    key = _key(_BUILD_VERSION, CORPUS.read_bytes(), vocab_size, given and given.sha256)
+    return Path(os.path.expanduser(cache_dir)) / f"bundled-{key}"
+
+
+def bundled_data(cache_dir, vocab_size: int, tokenizer=None):
     """(tokenizer file, dataset prefix) for the bundled corpus, built once and cached: with a
-    sentencepiece tokenizer trained on it, or tokenized with `tokenizer_path` (either kind).
+    sentencepiece tokenizer trained on it, or tokenized with `tokenizer` (either kind: its file,
+    or the tokenizer loaded).
 
     Built once under a file lock (ranks on several nodes sharing the cache folder wait for the
     first), in a private temporary folder renamed into place, so no reader sees a half-written
     cache.
     """
     cache_dir = Path(os.path.expanduser(cache_dir))
-    given = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    key = _key(_BUILD_VERSION, CORPUS.read_bytes(), vocab_size, given and given.sha256)
-    final = cache_dir / f"bundled-{key}"
+    given = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
+    final = bundled_folder(cache_dir, vocab_size, given)
+    key = final.name[len("bundled-"):]
     tokenizer_name = given.file_name if given else SENTENCEPIECE_FILE
     if not (final / "DONE").exists():
         with file_lock.exclusive(cache_dir / f".bundled-{key}.lock",

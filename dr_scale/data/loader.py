@@ -64,10 +64,12 @@ def _dataset_cache(prefix, kind, data_cfg, seed) -> IndexCache:
 def build_sources(data_cfg, seed: int, train_samples: int, eval_samples: int,
                   tokenizer_path=None, specs=None) -> DataSources:
     """The train and held-out streams. Their index arrays are read from caches, built there
-    once by whichever process comes first (see data/index_cache.py)."""
+    once by whichever process comes first (see data/index_cache.py). `tokenizer_path`: its file,
+    or the tokenizer already loaded (the run's plan loads it once)."""
     if tokenizer_path is None:
         tokenizer_path, specs = resolve_files(data_cfg)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path) if isinstance(tokenizer_path, (str, Path)) \
+        else tokenizer_path
     train_sets, valid_sets, weights, valid_weights, keys, warnings = [], [], [], [], [], []
     for prefix, weight, kind in specs:
         # builder(indexed, doc ids, seq_length, seed, name, cache)

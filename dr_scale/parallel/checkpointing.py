@@ -24,6 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dr_scale.config.ds_config import zero_stage
 from dr_scale.errors import DrScaleError
 from dr_scale.models.layers import SelfAttention, decoder_blocks
 
@@ -54,8 +55,7 @@ def refusals(ds_config: dict, source: str = "the DeepSpeed config"):
         raise DrScaleError(f"{source}: activation_checkpointing.cpu_checkpointing=true: DeepSpeed's "
                            f"non-reentrant checkpointing fails with it in the backward pass; set "
                            f"it to false (parallel.activation_checkpointing still applies)")
-    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
-    if section.get("partition_activations") and stage == 3:
+    if section.get("partition_activations") and zero_stage(ds_config or {}) == 3:
         raise DrScaleError(f"{source}: activation_checkpointing.partition_activations=true with "
                            f"ZeRO-3: DeepSpeed's checkpointing, which partitions, recomputes on "
                            f"parameters ZeRO-3 has released (DeepSpeed issue 4595); set it to "

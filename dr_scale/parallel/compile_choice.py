@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dr_scale.errors import DrScaleError
 from dr_scale.runtime import comm, disk_cache
@@ -39,7 +38,8 @@ def use_inductor_cache(cache_dir: str) -> Path:
     return Path(path)
 
 
-def settle(shape, cfg, zero_stage: int, device, dtype, micro: int, kernels_line: str):
+def settle(shape, cfg, topology, zero_stage: int, device, dtype, micro: int,
+           kernels_line: str):
     """(compile the blocks?, the start line's sentence)."""
     from dr_scale.parallel.checkpointing import compile_problem
 
@@ -51,27 +51,26 @@ def settle(shape, cfg, zero_stage: int, device, dtype, micro: int, kernels_line:
         return True, (f"compile: each decoder block compiled at the first step (model.compile="
                       f"true; inductor cache {where})")
     problem = compile_problem(zero_stage, cfg.parallel.activation_checkpointing)
-    if cfg.parallel.expert_parallel > 1:
+    if topology.experts_split:
         problem = "expert parallelism: the all-to-all of the tokens breaks each block's graph"
     if problem:
         return False, f"compile: auto -> eager ({problem})"
     key = cache_key(shape, device, dtype, micro, cfg.data.seq_length, kernels_line)
-    result = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
+
+    def cached_or_measured():
         cached = disk_cache.read(CACHE).get(key)
+        if cached:
+            return dict(cached, cached=True)
         try:
-            result = dict(cached, cached=True) if cached else measure(shape, device, dtype,
-                                                                     micro, cfg.data.seq_length)
-        except Exception as e:  # every rank stops with rank 0's reason, none waits forever
-            result = DrScaleError(f"model.compile=auto: measuring a compiled block failed "
-                                  f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); set "
-                                  "model.compile=false")
-        if not isinstance(result, Exception) and not result.get("cached"):
-            disk_cache.store(CACHE, key, result)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        result = comm.broadcast_object(result)
-    if isinstance(result, Exception):
-        raise result
+            measured = measure(shape, device, dtype, micro, cfg.data.seq_length)
+        except Exception as e:  # every rank stops with rank 0's reason
+            raise DrScaleError(f"model.compile=auto: measuring a compiled block failed "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); set "
+                               "model.compile=false") from None
+        disk_cache.store(CACHE, key, measured)
+        return measured
+
+    result = comm.decided_by_rank0(cached_or_measured)
     compiled = result["compiled_ms"] < result["eager_ms"]
     source = f"cached in {disk_cache.cache_file(CACHE)}" if result.get("cached") else \
         f"compiling took {result['compile_s']:.1f} s; inductor cache {where}"

@@ -21,6 +21,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.models.build import pad_vocab
 from dr_scale.parallel.estimate import estimate, inputs_for_run, shape_for_run
 from dr_scale.parallel.topology import Topology
+from dr_scale.runtime.ranks import local_rank
 from dr_scale.units import format_bytes
 
 
@@ -53,7 +54,7 @@ def rank_limit(device_type: str, topology: Topology) -> tuple:
     if device_type == "cuda":
         import torch
 
-        local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        local = local_rank() % max(1, torch.cuda.device_count())
         props = torch.cuda.get_device_properties(local)
         return props.total_memory, f"{format_bytes(props.total_memory)} on the {props.name}"
     import psutil
@@ -65,10 +66,10 @@ def rank_limit(device_type: str, topology: Topology) -> tuple:
 
 
 def refuse_if_too_big(cfg, ds: dict, topology: Topology, device_type: str, source: str,
-                      shape=None):
+                      shape=None, vocab: int = None):
     """The refusal, with the cheapest change that fits; `shape`: the config's resolved shape,
-    where the caller has it (the plan)."""
-    shape = shape_for_run(cfg, run_vocab(cfg), shape)
+    and `vocab` the named tokenizer's vocabulary, where the caller has them (the plan)."""
+    shape = shape_for_run(cfg, run_vocab(cfg) if vocab is None else vocab, shape)
     inputs = inputs_for_run(cfg, ds, topology, device_type)
     need = estimate(shape, inputs).peak
     limit, what = rank_limit(device_type, topology)

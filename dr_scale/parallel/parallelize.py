@@ -28,7 +28,7 @@ from dr_scale.parallel import checkpointing, expert, sequence, zero3_gather
 from dr_scale.parallel import pipeline
 from dr_scale.parallel.pipeline import to_pipeline
 from dr_scale.parallel.sharded_build import materialize, zero3_partitioner
-from dr_scale.parallel.tensor import autotp_section, check_divisible, shard_model
+from dr_scale.parallel.tensor import check_divisible, shard_model
 from dr_scale.parallel.topology import Topology
 
 
@@ -44,10 +44,10 @@ class Parallelized:
             sequence.apply(engine.module, engine.module.shape.arch)
 
 
-def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
+def refusals(shape, topo: Topology, cfg, deepspeed) -> None:
     """Every refusal, before anything is built: dr_scale/plan.py runs it before the process
-    group starts."""
-    p, zero = cfg.parallel, dsc.zero_stage(ds)
+    group starts (`deepspeed`: its config/ds_config.DeepSpeedView)."""
+    p, zero, ds_path = cfg.parallel, deepspeed.stage, deepspeed.source
     if topo.pipeline > 1:
         pipeline.refusals(shape, topo.pipeline)
     if topo.pipeline > 1 and zero >= 2:
@@ -56,12 +56,10 @@ def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
                            f"supports ZeRO-0/1 only; use zero1 (or pipeline_parallel=1 with ZeRO-3)")
     if topo.tensor > 1:
         check_divisible(shape, topo.tensor)
-        if topo.pipeline == 1:
-            autotp_section(shape, topo.tensor, p.vocab_parallel)
     if p.sequence_parallel:
         sequence.refusals(shape, topo.tensor, cfg.data.seq_length, p.vocab_parallel, topo.pipeline)
     if p.activation_checkpointing != "none":
-        checkpointing.refusals(ds, source=str(ds_path))
+        checkpointing.refusals(deepspeed.filled, source=ds_path)
     if cfg.model.compile is True:
         checkpointing.compile_refusals(zero, p.activation_checkpointing)
     expert.refusals(shape, topo, zero, cfg.model.compile is True, ds_path)
@@ -69,22 +67,22 @@ def refusals(shape, topo: Topology, cfg, ds: dict, ds_path) -> None:
 
 def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
                 weights=None, compiled: bool = None) -> Parallelized:
-    """`weights`: the init_from folder's (HFWeights) for a model built on meta, LOADED_LATER on a
-    resume (zeros, the checkpoint's values come next), or None (the initial values).
+    """`ds`: the engine's DeepSpeed config (its `tensor_parallel` section, AutoTP's, made in the
+    plan). `weights`: the init_from folder's (HFWeights) for a model built on meta, LOADED_LATER
+    on a resume (zeros, the checkpoint's values come next), or None (the initial values).
     `compiled`: model.compile settled (parallel/compile_choice.py); None: model.compile=true."""
-    p = cfg.parallel
+    p, stage = cfg.parallel, dsc.zero_stage(ds)
     dtype = dsc.torch_dtype(dsc.precision(ds))  # what a model built on meta is made real in
     mpu = None  # (1, the refusals: `refusals`, run once in the plan before the process group)
     if topo.autotp:                                                                  # 2
-        ds = dict(ds, tensor_parallel=autotp_section(shape, topo.tensor, p.vocab_parallel))
-        shard_model(model, shape, topo, p.vocab_parallel)
+        shard_model(model, shape, topo, ds["tensor_parallel"], p.vocab_parallel)
         mpu = topo.groups.mpu  # DeepSpeed's batch check then counts data-parallel ranks only
     checkpointing.apply(model, p.activation_checkpointing, p.checkpoint_every, ds, mpu)  # 3
     if compiled is None:
         compiled = cfg.model.compile is True
     if compiled:                                                                       # 4
-        checkpointing.compile_blocks(model, dsc.zero_stage(ds), p.activation_checkpointing)
-    if dsc.zero_stage(ds) == 3 and p.zero3_gather == "block":                          # 5
+        checkpointing.compile_blocks(model, stage, p.activation_checkpointing)
+    if stage == 3 and p.zero3_gather == "block":                          # 5
         zero3_gather.gather_by_block(model)
     if topo.pipelined:                                                                 # 6
         model = to_pipeline(model, shape, topo, document_mask=cfg.data.document_mask,
@@ -92,7 +90,7 @@ def parallelize(model: nn.Module, shape, topo: Topology, cfg, ds: dict,
                             dtype=dtype)
     else:  # (a pipeline makes its layers real as it builds them)
         partition = None
-        if topo.sliced and dsc.zero_stage(ds) == 3:
+        if topo.sliced and stage == 3:
             partition = zero3_partitioner(ds, topo.groups.mpu)
         if topo.experts_split:  # this rank's slice of each block's experts
             expert.split_experts(model, topo)

@@ -18,7 +18,6 @@ the same number whoever draws it (models/initial_values.py). Nothing is drawn wh
 or an init_from folder supplies the values next (`draw=False`, LOADED_LATER): a requeued 70B job
 would otherwise draw the whole model again on every rank before loading over it.
 """
-import os
 from contextlib import contextmanager
 
 import torch
@@ -30,6 +29,7 @@ from dr_scale.models.build import construct, initialize
 from dr_scale.models.initial_values import fill_block, fill_values, initial_value
 from dr_scale.models.layers import initial_rules
 from dr_scale.parallel.topology import Topology
+from dr_scale.runtime.ranks import local_rank
 
 ORIGIN = "dr_origin"  # attribute of a parameter built on meta: (name, whole shape, initial rule)
 LOADED_LATER = "loaded later"  # `materialize`'s weights: zeros, a checkpoint's values come next
@@ -68,8 +68,7 @@ def build_for_run(shape, ds: dict, topo: Topology, draw: bool = True) -> nn.Modu
                 param.ds_tensor.zero_()
     # computed buffers (CPU, fp32) go where zero.Init put the parameters (its local_device);
     # the engine moves the buffers of a model built otherwise, but not of a zero.Init one
-    local_rank = os.environ.get("LOCAL_RANK", "0")
-    _buffers_to(model, torch.device(get_accelerator().device_name(local_rank)))
+    _buffers_to(model, torch.device(get_accelerator().device_name(local_rank())))
     return model
 
 

@@ -44,7 +44,6 @@ def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
     if not plan:
         raise DrScaleError(f"parallel.tensor_parallel: model arch '{shape.arch}' has no "
                            f"tensor-parallel plan")
-    check_divisible(shape, tp)
     if vocab_parallel and shape.vocab_size < tp:
         raise DrScaleError(f"parallel.vocab_parallel: model.vocab_size={shape.vocab_size} is "
                            f"smaller than tensor_parallel={tp}")
@@ -56,11 +55,11 @@ def autotp_section(shape, tp: int, vocab_parallel: bool = False) -> dict:
     return section
 
 
-def shard_model(model, shape, topo, vocab_parallel: bool):
+def shard_model(model, shape, topo, section: dict, vocab_parallel: bool):
     """Partition the model's linears by its plan over the Topology's tensor group (DeepSpeed's
     (data, tensor) mesh, made by `Topology.with_groups`) before deepspeed.initialize, as the engine would inside
     it: on a model built on the meta device only this rank's slices are ever made real
-    (parallel/sharded_build.py). The engine then finds the model partitioned (DeepSpeed's
+    (parallel/sharded_build.py); `section`: `autotp_section`'s, made once in the plan. The engine then finds the model partitioned (DeepSpeed's
     `ds_autotp_parsed` mark) and keeps the rest of its tensor-parallel setup."""
     from deepspeed.module_inject.layers import (VocabParallelLinear,
                                                 collect_autotp_universal_checkpoint_info)
@@ -68,7 +67,7 @@ def shard_model(model, shape, topo, vocab_parallel: bool):
     from deepspeed.sequence.cross_entropy import configure_vocab_parallel_loss
 
     tp = topo.tensor
-    _autotp(model, autotp_section(shape, tp, vocab_parallel), tp, topo.tensor_group)
+    _autotp(model, section, tp, topo.tensor_group)
     heads = [m for m in model.modules() if isinstance(m, VocabParallelLinear)]
     if vocab_parallel:
         if len(heads) != 1:  # the plan names one head; DeepSpeed's loss needs exactly one

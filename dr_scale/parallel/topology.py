@@ -50,6 +50,10 @@ class Topology:
         return cls(world, parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel, rank,
                    parallel_cfg.expert_parallel, parallel_cfg.sequence_parallel)
 
+    def at_rank(self, rank: int) -> "Topology":
+        """The same layout, seen from global rank `rank` (the process group's step)."""
+        return dataclasses.replace(self, rank=rank)
+
     def with_world(self, world: int) -> "Topology":
         """The same layout over `world` ranks (the memory check's what-if: more ranks)."""
         return dataclasses.replace(self, world=world, rank=0, groups=None)

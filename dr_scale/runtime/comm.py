@@ -73,6 +73,28 @@ def broadcast_object(obj, src: int = 0, group=None):
     return box[0]
 
 
+def decided_by_rank0(decide):
+    """`decide()` run on rank 0 alone (a measurement, a cache read), its answer given to every
+    rank; where it raised a DrScaleError, every rank raises that error: none waits forever on a
+    rank that failed. Without a group of several ranks, `decide()` itself."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    answer = None
+    if not several or dist.get_rank() == 0:
+        from dr_scale.errors import DrScaleError
+
+        try:
+            answer = decide()
+        except DrScaleError as e:
+            if not several:
+                raise
+            answer = e
+    if several:
+        answer = broadcast_object(answer)
+    if isinstance(answer, Exception):
+        raise answer
+    return answer
+
+
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj`, in rank order."""
     out = [None] * dist.get_world_size(group)

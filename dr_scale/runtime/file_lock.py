@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from dr_scale.errors import DrScaleError
+from dr_scale.runtime.ranks import local_rank
 
 
 @contextlib.contextmanager
@@ -30,7 +31,7 @@ def exclusive(path, waiting_note: str = ""):
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EACCES):
                 _refuse(path, e)
-            if waiting_note and os.environ.get("LOCAL_RANK", "0") == "0":
+            if waiting_note and local_rank() == 0:
                 print(f"dr_scale: {waiting_note}", file=sys.stderr, flush=True)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from dr_scale.runtime import comm
+from dr_scale.runtime.ranks import local_rank
 
 
 def _free_port() -> int:
@@ -57,7 +58,7 @@ def init_distributed(timeout_s: int = 600):
         torch.set_num_threads(threads_per_rank(local_world)[0])
         device = torch.device("cpu")
     else:
-        device = torch.device(acc.device_name(device_index(int(os.environ.get("LOCAL_RANK", "0")),
+        device = torch.device(acc.device_name(device_index(local_rank(),
                                                            acc.device_count())))
         acc.set_device(device.index)
     return device, local_world

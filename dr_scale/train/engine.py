@@ -41,7 +41,8 @@ def describe_optimizer(ds: dict, train_cfg) -> str:
             f"DeepSpeed config has no optimizer section)")
 
 
-def check_precision(ds: dict, precision: str, ds_path):
+def check_precision(precision: str, ds_path):
+    """bf16 or fp16 where DeepSpeed's accelerator here cannot train in it (the plan)."""
     from deepspeed.accelerator import get_accelerator
 
     acc = get_accelerator()

@@ -1,14 +1,13 @@
 """Resuming a run folder: `--resume auto` settled, the checkpoint to continue from and how it
 loads (directly, or converted once to DeepSpeed's universal form before the process group), and
 the run folder itself."""
-import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dr_scale.runtime import comm, nvme_offload
+from dr_scale.runtime import comm
+from dr_scale.runtime.ranks import global_rank, warn
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.train import manifest
@@ -20,38 +19,58 @@ from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universa
 RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json")
 
 
-def settle_resume(args):
-    """Turn --resume auto into yes or no, before anything reads the run folder: yes when it holds
-    a complete checkpoint; no when it is absent, empty, or a run folder without one (a run that
-    stopped before its first save: its records are set aside). Returns whether a fresh start
-    reuses such a folder."""
+def resume_decision(args) -> tuple:
+    """(resume?, a fresh start in a run folder that never saved?), reading the run folder and
+    changing nothing: --resume auto resumes when the folder holds a complete checkpoint, starts
+    fresh when it is absent, empty, or a run folder without one (a run that stopped before its
+    first save: its records are set aside, its staging leftovers cleared by `prepare_files`)."""
     if args.resume != "auto":
-        args.resume = args.resume is not None
-        return False
+        return args.resume is not None, False
     if not args.run_dir:
         raise DrScaleError("--resume auto: needs --run_dir (the folder to continue or start)")
     run_dir = Path(args.run_dir)
     if complete_tags(run_dir / "checkpoints"):
-        args.resume = True
-        return False
-    args.resume = False
+        return True, False
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
-        return False
+        return False, False
     if not any((run_dir / name).exists() for name in RUN_FILES):
         raise DrScaleError(f"{run_dir}: --resume auto: not a dr_scale run folder (none of "
                            f"{', '.join(RUN_FILES)}); choose another --run_dir")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # staging leftovers only
-    return True
+    return False, True
 
 
-def choose_run_dir(run_dir, cfg, resume: bool) -> Path:
-    if run_dir is None:  # one timestamp for all ranks
-        run_dir = Path(cfg.run_dir or comm.broadcast_object(time.strftime("runs/%Y%m%d-%H%M%S")))
-    run_dir = run_dir.resolve()
-    if not resume and (run_dir / "checkpoints").exists():
+def refuse_old_checkpoints(run_dir, resume: bool, fresh_over_old: bool):
+    """A fresh start never writes over a run folder's checkpoints (the plan, when the folder is
+    named)."""
+    if run_dir is not None and not resume and not fresh_over_old \
+            and (run_dir / "checkpoints").exists():
         raise DrScaleError(f"{run_dir}: already holds checkpoints; pass --resume to continue it, "
                            "or choose another --run_dir")
-    return run_dir
+
+
+def default_run_dir() -> Path:
+    """runs/<date>-<time>, one name for all ranks (rank 0's, broadcast), with a suffix where a
+    job started in the same second took it."""
+    name = None
+    if global_rank() == 0:
+        base = Path(time.strftime("runs/%Y%m%d-%H%M%S")).resolve()
+        name, n = base, 1
+        while name.exists():
+            n += 1
+            name = base.with_name(f"{base.name}-{n}")
+    return Path(comm.broadcast_object(name))
+
+
+def prepare_files(plan):
+    """The step between the plan and the process group that writes: a fresh start's staging
+    leftovers cleared, and the checkpoint to resume converted to the universal form where the
+    layout changed. Global rank 0 writes (the run folder is shared); the others wait only for
+    the conversion, on the file system."""
+    if plan.fresh_over_old and global_rank() == 0:
+        shutil.rmtree(plan.run_dir / "checkpoints", ignore_errors=True)
+    if plan.resume is not None:
+        convert_before_group(plan.resume, plan.topology.world,
+                             plan.cfg.train.collective_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -68,13 +87,14 @@ class ResumePlan:
     expert: int = 1          # the resumed run's expert-parallel size (its own optimizer groups)
 
 
-def plan_resume(run_dir: Path, topo, ds: dict, timeout_s: int = 600) -> ResumePlan:
+def plan_resume(run_dir: Path, topo, deepspeed, timeout_s: int = 600) -> ResumePlan:
+    """`deepspeed`: the plan's config/ds_config.DeepSpeedView."""
     ckpt_dir = run_dir / "checkpoints"
     tag = newest_intact(ckpt_dir, timeout_s)
-    stage = dsc.zero_stage(ds)
+    stage = deepspeed.stage
     mode = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
-                        target_nvme=nvme_offload.optimizer_on_nvme(ds),
-                        sub_group_size=dsc.sub_group_size(ds), expert=topo.expert)
+                        target_nvme="offload_optimizer" in deepspeed.nvme_sections,
+                        sub_group_size=dsc.sub_group_size(deepspeed.filled), expert=topo.expert)
     step, consumed = saved_position(ckpt_dir / tag)
     return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage, topo.pipelined, topo.expert)
 
@@ -85,7 +105,7 @@ def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
     line each). Sizes are compared by every rank, checksums by global rank 0 (manifest.py); every
     rank walks the same list in the same order, so all arrive at the same checkpoint."""
     latest = find_tag(ckpt_dir)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank0 = global_rank() == 0
     candidates = [t for t in reversed(complete_tags(ckpt_dir)) if step_of(t) <= step_of(latest)]
     skipped = []
     for tag in candidates:
@@ -93,9 +113,7 @@ def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
                  else manifest.wait_for_verdict(ckpt_dir / tag, timeout_s))
         if fault is None:
             for bad, why in skipped if rank0 else ():
-                sys.stderr.write(f"dr_scale: warning: {ckpt_dir / bad}: not intact ({why}); "
-                                 f"resuming from {tag}\n")
-                sys.stderr.flush()
+                warn(f"{ckpt_dir / bad}: not intact ({why}); resuming from {tag}")
             return tag
         skipped.append((tag, fault))
     raise DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
@@ -113,7 +131,7 @@ def convert_before_group(plan: ResumePlan, world: int, timeout_s: int):
     if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world, pipelined,
                                                    expert):
         return
-    if int(os.environ.get("RANK", "0")) == 0:
+    if global_rank() == 0:
         print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-{stage} "
               f"(DeepSpeed universal checkpoint; `dr-scale reshard` does this ahead of a job)",
               flush=True)

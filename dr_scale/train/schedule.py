@@ -3,6 +3,7 @@ import math
 
 import torch
 
+from dr_scale.errors import DrScaleError
 from dr_scale.registry import SCHEDULE_REGISTRY
 
 
@@ -38,9 +39,16 @@ def lr_at(train_cfg, step: int) -> float:
               train_cfg.lr_decay_steps or train_cfg.max_steps)
 
 
+def check_schedule(train_cfg):
+    """An unknown train.lr_schedule, refused in the plan."""
+    try:
+        SCHEDULE_REGISTRY.get(train_cfg.lr_schedule)
+    except DrScaleError as e:
+        raise DrScaleError(f"train.lr_schedule: {e}") from None
+
+
 def build_scheduler(optimizer, train_cfg):
     """A LambdaLR stepping once per optimizer step; DeepSpeed saves and restores its state."""
-    SCHEDULE_REGISTRY.get(train_cfg.lr_schedule)  # unknown names fail before training
     base = train_cfg.lr or 1.0
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_at(train_cfg, step) / base)

@@ -41,13 +41,13 @@ def run_facts(model, shape, cfg, precision: str, device, batch_sizes, topo) -> R
     return RunFacts(count_parameters(model), fpt, hw, peak_flops(precision, device, gemm))
 
 
-def write_run_snapshot(plan, group, ds: dict, shape, facts: RunFacts, sources):
-    """config.yaml, ds_config.json (`ds`: as the engine got it) and run.json in the run folder,
-    or in resumes/<time>/ on a resume; the tokenizer beside them on a fresh start."""
+def write_run_snapshot(plan, group, shape, facts: RunFacts, sources):
+    """config.yaml, ds_config.json (as the engine got it) and run.json in the run folder, or in
+    resumes/<time>/ on a resume; the tokenizer beside them on a fresh start."""
     t, resume = group.topology, plan.resume is not None
     snap_dir = group.run_dir / "resumes" / time.strftime("%Y%m%d-%H%M%S") if resume \
         else group.run_dir
-    write_snapshot(snap_dir, plan.cfg, ds, {
+    write_snapshot(snap_dir, plan.cfg, group.ds, {
         "world": {"world_size": t.world, "ranks_per_node": group.local_world,
                   "data_parallel": t.data, "tensor_parallel": t.tensor,
                   "pipeline_parallel": t.pipeline, "expert_parallel": t.expert,
@@ -60,7 +60,7 @@ def write_run_snapshot(plan, group, ds: dict, shape, facts: RunFacts, sources):
                  "tokenizer_sha256": sources.tokenizer.sha256,
                  "datasets": [{"prefix": d.indexed.prefix, "weight": float(w)}
                               for d, w in zip(sources.train.datasets, sources.train.weights)]},
-        "batch": group.batch_sizes,
+        "batch": plan.deepspeed.batch,
         "peak_flops": {"value": facts.peak.value, "source": facts.peak.source}})
     if not resume:
         shutil.copyfile(sources.tokenizer.path, group.run_dir / sources.tokenizer.file_name)
@@ -70,11 +70,12 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
                 offload_note=None, memory_note=None):
     """What rank 0 says before the first step: world, precision and why, model, batch, layout,
     kernels, optimizer, the peak, and warnings (bf16 emulated, data, host memory)."""
-    t, c, b, ds = group.topology, plan.cfg, group.batch_sizes, group.ds
-    why, warning = dsc.bf16_choice(plan.raw_ds, plan.bf16, str(plan.ds_path))
+    t, c, deepspeed, ds = group.topology, plan.cfg, plan.deepspeed, group.ds
+    b = deepspeed.batch
+    why, warning = dsc.bf16_choice(deepspeed.raw, deepspeed.bf16, deepspeed.source)
     yield (f"dr_scale: {t.world} rank(s) ({group.local_world} on this node), "
-           f"{group.device.type}, {dist.get_backend()}, ZeRO-{dsc.zero_stage(ds)}, "
-           f"{plan.precision}{f' ({why})' if why else ''}; model {c.model.preset} "
+           f"{group.device.type}, {dist.get_backend()}, ZeRO-{deepspeed.stage}, "
+           f"{deepspeed.precision}{f' ({why})' if why else ''}; model {c.model.preset} "
            f"({shape.arch}) {facts.parameters / 1e6:.2f}M parameters"
            f"{experts_note(shape, facts)}; batch "
            f"{b['micro']} x {b['accum']} accumulation x {t.data} data-parallel = "
@@ -86,7 +87,7 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
         yield documents.describe()
     overlap = ds.get("zero_optimization", {}).get("overlap_comm", False)
     gathering = f"; {zero3_gather.describe(c.parallel.zero3_gather)}" \
-        if dsc.zero_stage(ds) == 3 else ""
+        if deepspeed.stage == 3 else ""
     yield (f"layout: {t.describe()}{lm_head_note(t, c.parallel)}; {kernels_line}; "
            f"{describe_optimizer(ds, c.train)}; gradients reduced in "
            f"{dsc.reduction_dtype(ds)}, overlap_comm {str(overlap).lower()}{gathering}")
@@ -99,7 +100,7 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
         yield f"offload: {offload_note}"
     if memory_note:
         yield f"host memory: {memory_note}"
-    yield from slurm_lead.lead_lines(facts.parameters, 4 if plan.precision == "fp32" else 2,
+    yield from slurm_lead.lead_lines(facts.parameters, 4 if deepspeed.precision == "fp32" else 2,
                                      max(1, t.world // group.local_world),
                                      c.train.checkpoint_write_gbps)
     yield from (f"warning: {w}" for w in sources.warnings)

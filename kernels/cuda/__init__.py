@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dr_scale.kernels.cuda import build, library
+from dr_scale.runtime.ranks import local_rank
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["binding.cpp", "norms.cu", "activations.cu", "rotary.cu"]
@@ -61,7 +62,7 @@ def extension():
                         verbose=False)
         _ext = build.build_once(compile_and_load, where,
                                 [HERE / s for s in (*SOURCES, *HEADERS)],
-                                local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+                                local_rank=local_rank())
     return _ext
 
 

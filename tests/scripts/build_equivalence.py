@@ -61,7 +61,8 @@ def overrides(family: str) -> list:
 
 def engine_for(family, precision, topo, ds_name, init_from=None, seed=None, compiled=False):
     """The engine a run of this layout makes, step by step as dr_scale/launch.py makes it."""
-    from dr_scale.config import ds_config as dsc
+    from dr_scale.plan import deepspeed_view
+    from dr_scale.runtime.hardware import Bf16Support
     from dr_scale.config import load_config
     from dr_scale.export.hf import apply_init_from, load_into
     from dr_scale.models import resolve_shape
@@ -75,10 +76,10 @@ def engine_for(family, precision, topo, ds_name, init_from=None, seed=None, comp
     if init_from is not None:
         cfg.model.init_from = str(init_from)
         weights = apply_init_from(cfg)
-    ds_path = dsc.resolve_path(ds_name)
-    ds = dsc.fill(dsc.read_json(ds_path), cfg, topo.data, source=str(ds_path),
-                  bf16_native=precision == "bf16", device_type="cpu")
     shape = resolve_shape(cfg.model)
+    view = deepspeed_view(ds_name, cfg, topo, shape, "cpu",
+                          Bf16Support(precision == "bf16", "the case's precision"))
+    ds = view.filled
     shape = shape.settle_loss_chunk(cfg.data.seq_length, topo.head_slices(True))
     shape, _ = select_kernels(shape, cfg, "cpu", precision, topo)
     torch.manual_seed(cfg.train.seed if seed is None else seed)
@@ -88,8 +89,7 @@ def engine_for(family, precision, topo, ds_name, init_from=None, seed=None, comp
         if weights is not None:
             load_into(model, weights, str(init_from))
         parallel = parallelize(model, shape, topo, cfg, ds, weights)
-    engine = initialize_engine(parallel.model, parallel.ds, cfg.train, None, ds_path,
-                               parallel.mpu)
+    engine = initialize_engine(parallel.model, ds, cfg.train, None, view.path, parallel.mpu)
     parallel.after_engine(engine)
     return engine, shape, cfg, watch.draws
 

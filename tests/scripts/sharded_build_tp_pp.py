@@ -47,7 +47,7 @@ def rank_main(rank, port, out):
     from dr_scale.models.build import count_parameters
     from dr_scale.parallel.pipeline import to_pipeline
     from dr_scale.parallel.sharded_build import build_for_run, materialize
-    from dr_scale.parallel.tensor import shard_model
+    from dr_scale.parallel.tensor import autotp_section, shard_model
     from dr_scale.parallel.topology import Topology
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -56,7 +56,7 @@ def rank_main(rank, port, out):
 
     def split(model, shape, topo):  # what parallelize does before materialize
         if topo.autotp:
-            shard_model(model, shape, topo, vocab_parallel=True)
+            shard_model(model, shape, topo, autotp_section(shape, topo.tensor, True), vocab_parallel=True)
             return model
         return to_pipeline(model, shape, topo)
 
