@@ -61,7 +61,7 @@ def logits_difference(run, out) -> float:
 
     from dr_scale.export.consolidate import consolidated_state_dict, run_shape
     from dr_scale.models import build_model
-    from dr_scale.train.checkpoint import find_tag
+    from dr_scale.checkpoint.layout import find_tag
 
     shape = run_shape(run)
     ours = build_model(shape)

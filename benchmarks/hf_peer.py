@@ -40,7 +40,7 @@ def main():
     from dr_scale.config import load_config
     from dr_scale.runtime.hardware import bf16_support
     from dr_scale.runtime.process_group import init_distributed
-    from dr_scale.train.engine import param_groups
+    from dr_scale.parallel.optimizer_groups import param_groups
     from dr_scale.models import resolve_shape
     from dr_scale.train.metrics import peak_memory_bytes
 

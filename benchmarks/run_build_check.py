@@ -34,7 +34,8 @@ def main(argv=None):
     from dr_scale.parallel.sharded_build import build_for_run
     from dr_scale.parallel.topology import Topology
     from dr_scale.models.kernel_choice import select_kernels
-    from dr_scale.train import checkpoint
+    from dr_scale.checkpoint.layout import find_tag
+    from dr_scale.checkpoint.load import load
     from dr_scale.train.engine import initialize_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -47,8 +48,8 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
     engine = initialize_engine(build_for_run(shape, ds, topo), ds, cfg.train, None,
                                run / "ds_config.json")
-    checkpoint.load(engine, run / "checkpoints", topo, expected_model=shape.weights_signature())
-    tag = checkpoint.find_tag(run / "checkpoints")
+    load(engine, run / "checkpoints", topo, expected_model=shape.weights_signature())
+    tag = find_tag(run / "checkpoints")
     plain = build_model(shape).eval()
     plain.load_state_dict(consolidated_state_dict(run / "checkpoints", tag, shape))
     if precision != "fp32":

@@ -54,8 +54,8 @@ def cmd_export(a):
     from dr_scale.export.consolidate import checkpoint_source, ema_source, run_shape
     from dr_scale.export.hf import write_folder
     from dr_scale.export.safetensors_folder import parse_size
-    from dr_scale.train import manifest
-    from dr_scale.train.checkpoint import find_tag
+    from dr_scale.checkpoint import manifest
+    from dr_scale.checkpoint.layout import find_tag
     from tqdm import tqdm  # percent, rate and ETA on stderr
 
     run_dir = Path(a.run_dir)
@@ -123,8 +123,8 @@ def cmd_reshard(a):
     from pathlib import Path
 
     from dr_scale.config import ds_config as dsc
-    from dr_scale.train.checkpoint import find_tag, saved_parallel_layout
-    from dr_scale.train.reshard import convert_to_universal, default_workers, reshard_plan
+    from dr_scale.checkpoint.layout import find_tag, saved_parallel_layout
+    from dr_scale.checkpoint.reshard import convert_to_universal, default_workers, reshard_plan
 
     if a.to:
         a.ranks, a.tensor_parallel, a.pipeline_parallel, a.expert_parallel = parse_layout(a.to)
@@ -181,8 +181,8 @@ def cmd_verify(a):
 
     from tqdm import tqdm  # percent, rate and ETA on stderr
 
-    from dr_scale.train import manifest
-    from dr_scale.train.checkpoint import complete_tags
+    from dr_scale.checkpoint import manifest
+    from dr_scale.checkpoint.layout import complete_tags
 
     ckpt_dir = Path(a.run_dir) / "checkpoints"
     tags = complete_tags(ckpt_dir)

@@ -26,12 +26,12 @@ from dr_scale.parallel import compile_choice
 from dr_scale.parallel.parallelize import parallelize
 from dr_scale.parallel.sharded_build import LOADED_LATER, build_for_run
 from dr_scale.plan import RunPlan, check, start_group
-from dr_scale.train import hangs, host_memory
+from dr_scale.runtime import hangs, host_memory
 from dr_scale.train.engine import initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.expert_load_plot import plot_expert_load
 from dr_scale.train.plot import plot_curves
-from dr_scale.train.resume import prepare_files
+from dr_scale.checkpoint.resume import prepare_files
 from dr_scale.train.schedule import build_scheduler
 from dr_scale.train.start import run_facts, start_lines, write_run_snapshot
 from dr_scale.train.trainer import Trainer

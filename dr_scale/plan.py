@@ -1,7 +1,7 @@
 """The run as a plan: `check(args)` reads the command line, the experiment config and the
 DeepSpeed JSON, makes every refusal and the memory check, and returns one frozen RunPlan, before
 any process group exists, writing nothing (the steps that write come after it: `prepare_files`
-in train/resume.py, then the process group). Each step of the run after it (dr_scale/launch.py)
+in checkpoint/resume.py, then the process group). Each step of the run after it (dr_scale/launch.py)
 takes the plan and adds only what needs ranks; nothing here is computed again.
 
 What the plan cannot hold is what the ranks make: the run folder's default name (one timestamp
@@ -32,9 +32,9 @@ from dr_scale.parallel import memory_guard
 from dr_scale.parallel import parallelize as par
 from dr_scale.parallel.tensor import autotp_section
 from dr_scale.parallel.topology import Topology
-from dr_scale.train import hangs
+from dr_scale.runtime import hangs
 from dr_scale.train.engine import check_precision
-from dr_scale.train.resume import (ResumePlan, default_run_dir, plan_resume,
+from dr_scale.checkpoint.resume import (ResumePlan, default_run_dir, plan_resume,
                                   refuse_old_checkpoints, resume_decision)
 from dr_scale.train.schedule import check_schedule
 

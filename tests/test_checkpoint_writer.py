@@ -4,7 +4,7 @@ thread of their own)."""
 import json
 import zlib
 
-from dr_scale.train import manifest
+from dr_scale.checkpoint import manifest
 
 from tests.conftest import run_rank_script
 
@@ -58,7 +58,7 @@ def test_the_confirmation_waits_for_a_slow_writer_and_names_a_stalled_one(tmp_pa
     import torch.distributed as dist
 
     from dr_scale.errors import DrScaleError
-    from dr_scale.train.write_progress import WriteProgress, wait_for_writers
+    from dr_scale.checkpoint.write_progress import WriteProgress, wait_for_writers
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ import torch
 
 from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, PerLayerClip, clip_factors, exempt_mask
 from dr_scale.config import load_config
-from dr_scale.train.engine import param_groups
+from dr_scale.parallel.optimizer_groups import param_groups
 from dr_scale.models import build_model, resolve_shape
 from tests.conftest import ROOT, free_port, run_group, module_folder
 

@@ -15,7 +15,7 @@ EMA = "callbacks={ema: {enabled: true, decay: 0.6}}"
 
 def ema_at(run, step):
     from dr_scale.export.consolidate import run_shape
-    from dr_scale.train.checkpoint import load_ema_state
+    from dr_scale.callbacks.ema import load_ema_state
 
     return load_ema_state(run / "checkpoints" / f"step_{step:08d}", run_shape(run))
 

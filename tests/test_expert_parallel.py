@@ -127,7 +127,7 @@ def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path
 def test_tensor_and_expert_parallel_checkpoint_refuses_another_layout(ep_runs):
     """DeepSpeed 0.19.8's ZeRO-1/2 universal conversion refuses experts split over ranks under
     tensor parallelism: a change of layout is a one-line error before anything starts."""
-    from dr_scale.train.reshard import reshard_plan
+    from dr_scale.checkpoint.reshard import reshard_plan
 
     _, runs = ep_runs
     ckpt = runs["TP 2 x EP 2"] / "checkpoints"

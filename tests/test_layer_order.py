@@ -98,3 +98,16 @@ def test_no_import_cycle():
         if n not in state:
             visit(n, [n])
     assert not cycles, "\n".join(cycles)
+
+
+def test_checkpoints_are_reached_through_their_own_package():
+    """The side jobs (cli) and export read checkpoints through dr_scale.checkpoint; the training
+    loop's package is no library of theirs."""
+    known = modules()
+    reaching = [f"{name} imports {target}" for name, path in sorted(known.items())
+                if name == "dr_scale.cli" or name.startswith("dr_scale.export")
+                for target in sorted(imports(name, path, known))
+                if target.startswith("dr_scale.train")]
+    assert not reaching, "\n".join(reaching)
+    assert any(t.startswith("dr_scale.checkpoint") for t in imports(
+        "dr_scale.cli", known["dr_scale.cli"], known))

@@ -80,7 +80,7 @@ def test_bad_alert_threshold_is_one_line(cache_dir, tmp_path):
 def test_release_freed_gives_the_heaps_free_pages_back():
     """train.release_host_memory's call: 16 MiB tensors (glibc's heap, once a larger block was
     freed) stay resident after they are freed between live ones; released, they leave."""
-    from dr_scale.train import host_memory
+    from dr_scale.runtime import host_memory
 
     assert host_memory.can_release()  # the CI machines run glibc
     rss = lambda: psutil.Process().memory_info().rss
@@ -97,7 +97,7 @@ def test_release_freed_gives_the_heaps_free_pages_back():
 
 FREE_HALF = """
 import sys, psutil, torch
-from dr_scale.train import host_memory
+from dr_scale.runtime import host_memory
 if sys.argv[1] == "fixed":
     assert host_memory.give_large_blocks_pages_of_their_own()
 rss = lambda: psutil.Process().memory_info().rss
@@ -123,7 +123,7 @@ def test_large_tensors_get_pages_of_their_own():
 
 REALLOCATE = """
 import resource, sys, torch
-from dr_scale.train import host_memory
+from dr_scale.runtime import host_memory
 if sys.argv[1] == "kept":
     assert host_memory.keep_freed_blocks_for_reuse()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -106,7 +106,7 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
     assert_same(got, reference)
     # Resuming it: the same layout loads directly; another TP size, number of ranks or ZeRO
     # stage converts (the losses after: test_reshard.py)
-    from dr_scale.train.reshard import reshard_plan
+    from dr_scale.checkpoint.reshard import reshard_plan
 
     ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"
@@ -151,7 +151,7 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert_same_weights(weights, reference[4])
     # its checkpoint loads directly on its own layout and converts to any other (the losses
     # after: test_reshard.py)
-    from dr_scale.train.reshard import reshard_plan
+    from dr_scale.checkpoint.reshard import reshard_plan
 
     ckpt, tag = out / "checkpoints", f"step_{STEPS:08d}"
     assert reshard_plan(ckpt, tag, 4, 1, tensor=tensor, pipeline=2) == "direct"

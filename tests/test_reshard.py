@@ -197,7 +197,7 @@ def test_resume_with_another_sub_group_size_goes_through_the_universal_form(unin
     DeepSpeed loads another layout only from the universal form (directly it stops: "loaded
     state dict contains a parameter group that doesn't match the size of optimizer's group"). A
     resume on the same ranks with another size converts, and the losses are the uninterrupted
-    run's bit for bit (the sub-grouping alone changes no bit). Before train/universal.py's
+    run's bit for bit (the sub-grouping alone changes no bit). Before checkpoint/universal.py's
     `repair_zero3_load` they drifted from step 6 on (6.4661 against 6.4651, 6.0426 against
     6.0284 at step 8): DeepSpeed's universal load shared one Adam step tensor among the
     sub-groups and gave the no-decay group the first group's weight decay."""
@@ -219,10 +219,10 @@ def test_resume_with_another_sub_group_size_goes_through_the_universal_form(unin
 
 def test_nvme_optimizer_state_is_not_resharded(uninterrupted, tmp_path):
     """DeepSpeed's universal checkpoint cannot carry ZeRO-Infinity's swapped optimizer state
-    either way (train/reshard.py): a run with its state on NVMe resumes on its own ranks, and
+    either way (checkpoint/reshard.py): a run with its state on NVMe resumes on its own ranks, and
     another number of ranks is one line naming the way out, before any conversion starts."""
     from dr_scale.errors import DrScaleError
-    from dr_scale.train.reshard import reshard_plan
+    from dr_scale.checkpoint.reshard import reshard_plan
 
     run = tmp_path / "run"
     stopped_at(uninterrupted(2, "zero3"), run, 4)

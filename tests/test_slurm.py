@@ -196,7 +196,7 @@ def test_the_stop_signal_lead_is_told_and_checked():
     the launcher's estimate for a 70B model (bf16 weights, Adam) on 8 and on 2 nodes at
     1 GB/s a node: 0.97 TB, a lead of 360 s (within the script's 600) and of 1080 s (a
     warning naming the value to set)."""
-    from dr_scale.train.slurm_lead import LEAD_ENV, lead_lines
+    from dr_scale.runtime.slurm_lead import LEAD_ENV, lead_lines
 
     text = SCRIPT.read_text()
     lead = re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.M).group(1)

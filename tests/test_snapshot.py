@@ -1,11 +1,11 @@
-"""The host snapshot an asynchronous save writes from (train/snapshot.py): the same bytes on disk
+"""The host snapshot an asynchronous save writes from (checkpoint/snapshot.py): the same bytes on disk
 as the live state, views of one storage still one storage, independent of later changes, and its
 buffers mapped once and reused."""
 import io
 
 import torch
 
-from dr_scale.train.snapshot import SnapshotBuffers, host_snapshot, populated_buffers
+from dr_scale.checkpoint.snapshot import SnapshotBuffers, host_snapshot, populated_buffers
 
 
 def _state():

@@ -134,3 +134,20 @@ class CallbackList:
             if name not in self.names():
                 log(f"callbacks.{name}: state in the checkpoint, but the callback is not "
                     "enabled now: its state is not used")
+
+
+class CallbackState:
+    """The callbacks as one owner of a checkpoint's state (checkpoint/state.py): the entry
+    "callbacks", each callback's state under its name."""
+
+    KEY = "callbacks"
+
+    def __init__(self, callbacks: CallbackList, trainer: TrainerView, log):
+        self.callbacks, self.trainer, self.log = callbacks, trainer, log
+
+    def state_dict(self) -> dict:
+        return {self.KEY: self.callbacks.state_dict()}
+
+    def load_state_dict(self, saved: dict):
+        self.callbacks.load_state_dict(saved.get(self.KEY, {}), self.trainer, self.log)
+

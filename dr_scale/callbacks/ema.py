@@ -1,14 +1,20 @@
 """ema: an exponential moving average of the weights, kept on this rank's slices of the fp32
 master weights (no gather per step, under every ZeRO stage), evaluated at every evaluation
 (`ema_eval_loss`), saved with each checkpoint and exportable (`dr-scale export --ema`)."""
+import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import torch
 
-from dr_scale.callbacks.base import Callback
+from dr_scale.callbacks.base import Callback, CallbackState
+from dr_scale.checkpoint.layout import STATE_FILE
 from dr_scale.compat.shards import local_shards, write_values
 from dr_scale.config.typed import Section, field
 from dr_scale.errors import DrScaleError
+from dr_scale.models.build import spec_of
+from dr_scale.parallel.topology import Topology
 from dr_scale.registry import CALLBACK_REGISTRY
 
 
@@ -86,3 +92,25 @@ def assemble(rank_states) -> dict:
                 full[name] = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
             full[name].narrow(0, start, numel).copy_(t.view(-1))
     return {name: flat.view(*shapes[name]) for name, flat in full.items()}
+
+
+def load_ema_state(tag_dir: Path, shape, tensor_rank: int = 0,
+                   topology: Optional[Topology] = None) -> dict:
+    """Whole EMA weights from the per-rank slices this callback saved with a checkpoint; under
+    tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
+    tag_dir = Path(tag_dir)
+    states = []
+    for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
+        rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
+        if topology is not None and topology.coords(rank)["tensor"] != tensor_rank:
+            continue
+        saved = torch.load(path, map_location="cpu", weights_only=True).get(CallbackState.KEY, {})
+        if isinstance(saved, dict):  # keyed by callback name
+            states += [saved[EMA.name]] if EMA.name in saved else []
+        else:  # older checkpoints: a list by position; the EMA state is the one shaped like it
+            states += [cb for cb in saved if isinstance(cb, dict) and "ema" in cb and "names" in cb]
+    if not states:
+        raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
+                           "off for this run)")
+    return spec_of(shape.arch).tie_head(assemble(states), shape.tie_embeddings)
+

@@ -108,12 +108,12 @@ class TrainConfig(Section):
                                       "run in one line naming the rank and the phase")
     checkpoint_write_gbps: float = field(1.0, min=0.001, help="GB/s a node writes checkpoints "
                                          "at: sizes the SIGUSR1 lead a SLURM job needs "
-                                         "(train/slurm_lead.py)")
+                                         "(runtime/slurm_lead.py)")
     release_host_memory: bool = field(False, help="after each backward, return freed host "
                                       "memory to the OS (glibc malloc_trim), and give large "
                                       "tensors pages of their own: a lower peak RSS "
                                       "on CPU ranks for slower steps; not with pipeline stages "
-                                      "(train/host_memory.py)")
+                                      "(runtime/host_memory.py)")
 
 
 @dataclass

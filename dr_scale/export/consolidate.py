@@ -23,7 +23,8 @@ from dr_scale.export.checkpoint_source import (PipelineSource, Source, TensorJoi
                                                UniversalSource, WholeSource, Zero3Source)
 from dr_scale.models import build_model
 from dr_scale.models.build import ModelShape, spec_of
-from dr_scale.train.checkpoint import load_ema_state, saved_topology
+from dr_scale.callbacks.ema import load_ema_state
+from dr_scale.checkpoint.layout import saved_topology
 
 
 def run_shape(run_dir: Path) -> ModelShape:
@@ -39,8 +40,8 @@ def run_shape(run_dir: Path) -> ModelShape:
 
 def _zero0_state(tag_dir: Path, shape: ModelShape) -> dict:
     """ZeRO-0 keeps one file; with bf16/fp16 its fp32 master copies sit in the optimizer's
-    fp32_groups, in the order of train.engine.param_groups (matrices, then vectors)."""
-    from dr_scale.train.engine import param_groups
+    fp32_groups, in the order of parallel.optimizer_groups.param_groups (matrices, then vectors)."""
+    from dr_scale.parallel.optimizer_groups import param_groups
 
     files = list(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
@@ -134,7 +135,7 @@ def _expert_parallel_sources(tag_dir: Path, full: dict) -> list:
     moments, gone with the source). Under tensor parallelism, which DeepSpeed 0.19.8's
     conversion refuses with experts, each tensor rank's weights as the run held them (16-bit
     under a bf16 config, as a pipeline's are), its experts from the per-expert files."""
-    from dr_scale.train.reshard import default_workers, ds_to_universal
+    from dr_scale.checkpoint.reshard import default_workers, ds_to_universal
 
     tensor = saved_topology(tag_dir).tensor
     if tensor == 1:

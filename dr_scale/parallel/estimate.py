@@ -44,7 +44,7 @@ What is counted, per rank, for AdamW under DeepSpeed:
   allocator's reserve is not counted. On CPU the figures take freed memory as given back:
   glibc keeps freed heap pages (tensors below its mmap threshold: ZeRO-3's gathered TP slices)
   under the optimizer step unless `train.release_host_memory` trims them (measured, llama_1b
-  cut to 8 layers, DP 2 x TP 2: 1.24x this estimate without, 1.02x with; train/host_memory.py).
+  cut to 8 layers, DP 2 x TP 2: 1.24x this estimate without, 1.02x with; runtime/host_memory.py).
 
 `total` is the steady state of training. Building the model comes first (parallel/
 sharded_build.py): under ZeRO-3 without pipeline parallelism it is built sharded (with tensor

@@ -30,7 +30,7 @@ LIVE = 1e8  # gathered parameters ZeRO-3 keeps live (DeepSpeed's default: 1e9)
 # as given back. Measured peaks over the estimate: 1.06x (llama_1b cut to 8 layers, bundled
 # zero3, 2 and 4 ranks, bf16), 1.16x with stage3_max_live_parameters 1e8, and a rank killed for
 # memory at 1.04x of an estimate that had passed this check (fp32, 4 ranks). Since freed blocks
-# are kept for reuse on CPU ranks (train/host_memory.py): 1.32x (llama_125m, zero3, 2 ranks,
+# are kept for reuse on CPU ranks (runtime/host_memory.py): 1.32x (llama_125m, zero3, 2 ranks,
 # bf16), 1.56x (tiny with a 32,000 vocabulary, zero1, 2 ranks, bf16).
 KEPT_PAGES = 1.6
 

@@ -5,23 +5,12 @@ from typing import Optional
 import torch
 
 from dr_scale.errors import DrScaleError
+from dr_scale.parallel.optimizer_groups import param_groups
 from dr_scale.parallel.zero3_hooks import hooks_without_gathering
 
 # Betas of the optimizer built when the DeepSpeed JSON has none: torch's (and Hugging Face
 # Trainer's) defaults; the bundled configs say 0.95 for the second, as Llama's recipe does.
 DEFAULT_BETAS = (0.9, 0.999)
-
-
-def param_groups(model, weight_decay: float):
-    """No weight decay on vectors (norm weights, biases). A parameter built sharded (ZeRO-3's
-    zero.Init) is a 1-D placeholder: its own shape is in ds_shape."""
-    ndim = lambda p: len(getattr(p, "ds_shape", p.shape))  # noqa: E731
-    decay = [p for p in model.parameters() if ndim(p) >= 2]
-    no_decay = [p for p in model.parameters() if ndim(p) < 2]
-    from dr_scale.parallel.expert import expert_groups
-
-    return expert_groups([{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-                          {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
 
 
 def default_optimizer(ds: dict, groups, train_cfg) -> Optional[torch.optim.Optimizer]:

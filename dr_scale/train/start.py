@@ -14,7 +14,7 @@ from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.runtime.process_group import threads_per_rank
 from dr_scale.models.build import count_parameters, spec_of
 from dr_scale.parallel import zero3_gather
-from dr_scale.train import slurm_lead
+from dr_scale.runtime import slurm_lead
 from dr_scale.train.engine import describe_optimizer
 from dr_scale.train.peak_flops import Peak, largest_gemm, peak_flops
 

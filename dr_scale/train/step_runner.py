@@ -9,7 +9,7 @@
 """
 import torch
 
-from dr_scale.train import hangs, host_memory
+from dr_scale.runtime import hangs, host_memory
 
 
 class PlainSteps:

@@ -12,11 +12,15 @@ from dr_scale.runtime import comm
 from dr_scale.data.documents import DocumentBoundaries
 from dr_scale.data.loader import eval_batches, train_loader
 from dr_scale.errors import Preempted
-from dr_scale.train import checkpoint, hangs, step_runner
-from dr_scale.train.checkpoint_writer import CheckpointWriter
-from dr_scale.callbacks.base import CallbackList
+from dr_scale.checkpoint import load as checkpoint_load
+from dr_scale.checkpoint.layout import WrittenLayout
+from dr_scale.checkpoint.state import RandomGenerators, SavedState
+from dr_scale.checkpoint.writer import CheckpointWriter
+from dr_scale.callbacks.base import CallbackList, CallbackState
+from dr_scale.runtime import hangs
+from dr_scale.train import step_runner
 from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
-from dr_scale.train.preemption import StopSignals
+from dr_scale.runtime.preemption import StopSignals
 
 
 class Trainer:
@@ -48,6 +52,11 @@ class Trainer:
         self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints", topology,
                                        cfg.train.keep_checkpoints, cfg.train.async_save,
                                        cfg.train.collective_timeout_s, cfg.train.async_snapshot)
+        self.saved = SavedState({  # what a checkpoint holds beside DeepSpeed's files, by owner
+            "trainer": self, "rng": RandomGenerators(),
+            "layout": WrittenLayout(topology, self.model_signature,
+                                    engine.zero_sub_group_size()),
+            "callbacks": CallbackState(self.callbacks, self, logger.info)})
 
     def register_callback(self, callback):
         self.callbacks.add(callback)
@@ -79,20 +88,18 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The trainer's own entries of a checkpoint (checkpoint/state.py): its position."""
         return {"step": self.step, "consumed_samples": self.consumed_samples,
-                "global_batch": self.batch_sizes["global"],
-                "model": self.model_signature, "rng": checkpoint.rng_state(),
-                "parallel": {"tensor": self.topology.tensor,
-                             "pipeline": self.topology.pipeline,
-                             "expert": self.topology.expert},
-                # ZeRO-3 lays its optimizer state out by sub-groups of this size
-                "zero_sub_group_size": int(self.engine.zero_sub_group_size()),
-                "callbacks": self.callbacks.state_dict()}  # keyed by callback name
+                "global_batch": self.batch_sizes["global"]}
+
+    def load_state_dict(self, saved: dict):
+        self.step = int(saved["step"])
+        self.consumed_samples = int(saved["consumed_samples"])
 
     def save_checkpoint(self):
         with hangs.doing(f"checkpoint save at step {self.step}"):
             self._saved(self.writer.wait())  # the one in flight, if any, first
-            done = self.writer.save(self.step, self.state_dict())
+            done = self.writer.save(self.step, self.saved.state_dict())
         if done is None:
             self.logger.info(f"writing checkpoint of step {self.step} in the background")
         self._saved(done)
@@ -113,15 +120,12 @@ class Trainer:
 
     def resume(self):
         with hangs.doing("checkpoint load"):
-            state, path = checkpoint.load(self.engine, self.run_dir / "checkpoints",
-                                          self.topology, self.model_signature,
-                                          self.resume_plan.mode,
-                                          self.engine.zero_optimization_stage(),
-                                          tag=self.resume_plan.tag)
-        self.step = int(state["step"])
-        self.consumed_samples = int(state["consumed_samples"])
-        checkpoint.set_rng_state(state["rng"])
-        self.callbacks.load_state_dict(state.get("callbacks", {}), self, self.logger.info)
+            state, path = checkpoint_load.load(self.engine, self.run_dir / "checkpoints",
+                                               self.topology, self.model_signature,
+                                               self.resume_plan.mode,
+                                               self.engine.zero_optimization_stage(),
+                                               tag=self.resume_plan.tag)
+        self.saved.load_state_dict(state)
         self.last_checkpoint = path
         was = int(state.get("global_batch", self.batch_sizes["global"]))
         change = (f"; global batch {was} -> {self.batch_sizes['global']} samples, the data continues "
@@ -203,7 +207,7 @@ class Trainer:
                 window_start = time.perf_counter()
             else:  # the first step's done: every state a save holds exists
                 with hangs.doing(f"step {self.step} preparing the asynchronous save's buffers"):
-                    self.writer.prepare_snapshot(self.state_dict)
+                    self.writer.prepare_snapshot(self.saved.state_dict)
             hangs.now(f"step {self.step} stop-signal agreement")
             # every rank, every step: they stop at the same one, and see a save finish at one
             signal_name, written = signals.agreed(idle_here=self.writer.idle())

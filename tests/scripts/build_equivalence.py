@@ -206,13 +206,13 @@ def rank_main(rank, port, out, layout):
 def resumed(engine, family, precision, topo, ds_name, reference, tokens, ref_logits, out):
     """Save `engine` as the trainer saves, load it into an engine built from another seed as
     --resume loads, and compare the loaded engine with the reference."""
-    from dr_scale.train import checkpoint
-    from dr_scale.train.checkpoint_writer import CheckpointWriter
+    from dr_scale.checkpoint.load import load
+    from dr_scale.checkpoint.writer import CheckpointWriter
 
     ckpt_dir = Path(f"{out}.ckpt.{family}.{precision}")
     CheckpointWriter(engine, ckpt_dir, topo).save(1, {"model": {}})
     other, _, _, _ = engine_for(family, precision, topo, ds_name, seed=99)
-    checkpoint.load(other, ckpt_dir, topo, expected_model={})
+    load(other, ckpt_dir, topo, expected_model={})
     return compare(other, reference, engine_logits(other, tokens, topo.tensor), ref_logits)
 
 

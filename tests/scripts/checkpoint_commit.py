@@ -12,9 +12,9 @@ from rank_result import write_and_leave
 
 def rank_main(rank, port, ckpt_dir, out):
     from dr_scale.errors import DrScaleError
-    from dr_scale.train.checkpoint import STAGING, tag_for
+    from dr_scale.checkpoint.layout import STAGING, tag_for
     from dr_scale.parallel.topology import Topology
-    from dr_scale.train.checkpoint_writer import CheckpointWriter
+    from dr_scale.checkpoint.writer import CheckpointWriter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

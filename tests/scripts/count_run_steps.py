@@ -22,7 +22,7 @@ import dr_scale.parallel.tensor
 import dr_scale.parallel.topology
 import dr_scale.runtime.nvme_offload
 import dr_scale.runtime.process_group
-import dr_scale.train.reshard
+import dr_scale.checkpoint.reshard
 
 calls = collections.Counter()
 
@@ -50,7 +50,7 @@ counted(dr_scale.data.loader, "dataset_types")
 counted(dr_scale.data.tokenizer, "load_tokenizer")
 counted(dr_scale.runtime.nvme_offload, "fill_paths")
 counted(dr_scale.runtime.process_group, "init_distributed")
-counted(dr_scale.train.reshard, "reshard_plan")
+counted(dr_scale.checkpoint.reshard, "reshard_plan")
 Topology = dr_scale.parallel.topology.Topology
 plain_from_config = Topology.from_config.__func__
 

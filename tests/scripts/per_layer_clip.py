@@ -14,7 +14,7 @@ from dr_scale.callbacks.per_layer_clip import DEFAULT_EXEMPT, clip_per_layer_
 from dr_scale.config import load_config
 from dr_scale.runtime.process_group import init_distributed
 from dr_scale.launch import leave
-from dr_scale.train.engine import param_groups
+from dr_scale.parallel.optimizer_groups import param_groups
 from dr_scale.models import build_model, resolve_shape
 from dr_scale.parallel.topology import Topology
 

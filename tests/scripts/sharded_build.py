@@ -41,7 +41,7 @@ def rank_main(rank, port, out):
                           "placeholder": p.numel(), "mean": full.float().mean().item(),
                           "std": full.float().std().item(), "ref_mean": q.float().mean().item(),
                           "ref_std": q.float().std().item()}
-        from dr_scale.train.engine import param_groups
+        from dr_scale.parallel.optimizer_groups import param_groups
 
         # weight decay by each parameter's own shape, not its 1-D placeholder's
         groups = [[len(g["params"]) for g in param_groups(m, 0.1)] for m in (sharded, plain)]

@@ -25,7 +25,7 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.train.checkpoint import (STATE_FILE, ranks_written, saved_model,
+from dr_scale.checkpoint.layout import (STATE_FILE, ranks_written, saved_model,
                                        saved_parallel_layout, saved_sub_group_size,
                                        saved_zero_family, universal_dir)
 
@@ -194,7 +194,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
     ZeRO family if the source was the other one; our rank-0 state goes along. DeepSpeed's
     progress bars (percent, rate, ETA) go to stderr. A failure leaves a one-line note for the
     ranks waiting on the output, and nothing in the checkpoint changed."""
-    from dr_scale.train import universal
+    from dr_scale.checkpoint import universal
 
     ckpt_dir = Path(ckpt_dir)
     source = saved_zero_family(ckpt_dir / tag)
@@ -237,7 +237,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
 
 
 def ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool):
-    cmd = [sys.executable, "-m", "dr_scale.train.universal_stream", "--input_folder",
+    cmd = [sys.executable, "-m", "dr_scale.checkpoint.universal_stream", "--input_folder",
            str(tag_dir), "--output_folder", str(out), "--num_extract_workers", str(workers),
            "--num_merge_workers", str(workers)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,32 +1,28 @@
-"""Checkpoints that survive a crash at any moment.
+"""Checkpoints that survive a crash at any moment: their folder's layout, and the facts a
+checkpoint records about itself.
 
 A checkpoint is written into checkpoints/.incoming/<tag>/ (DeepSpeed's files plus our state per
 rank), fsynced, renamed to checkpoints/<tag>/, and only then named in checkpoints/latest (written
-to a temporary file and renamed): checkpoint_writer.py. A half-written checkpoint is therefore
-never the latest one; leftovers in .incoming are cleared on resume. This file: the layout, the
-state we add, and reading it back. Our state (step, data position, RNG, callbacks)
-loads with weights_only=True: plain tensors and numbers, no code.
+to a temporary file and renamed): writer.py. A half-written checkpoint is therefore never the
+latest one; leftovers in .incoming are cleared on resume. This file: tags, `latest`, atomic
+writes, the universal forms' folders, and the entries of our per-rank state that tools read
+without loading it (the trainer's position, the layout `WrittenLayout` records); state.py says
+who owns each entry, load.py reads a checkpoint into an engine.
 """
 import os
-import random
 import re
-import shutil
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from dr_scale.config import ds_config as dsc
-from dr_scale.runtime import nvme_offload
-from dr_scale.models.build import spec_of
 from dr_scale.errors import DrScaleError
 from dr_scale.parallel.topology import Topology
-from dr_scale.train.universal import repair_zero3_load
 
 STATE_FILE = "dr_scale_state_rank{rank}.pt"
 STAGING = ".incoming"
-REHEARSAL = ".rehearsal"  # checkpoint_writer.prepare_snapshot's: DeepSpeed makes folders there
+REHEARSAL = ".rehearsal"  # writer.prepare_snapshot's: DeepSpeed makes folders there
 LATEST = "latest"
 _TAG = re.compile(r"^step_(\d{8})$")
 
@@ -40,26 +36,6 @@ def step_of(tag: str) -> int:
     if not m:
         raise DrScaleError(f"checkpoint tag {tag!r}: expected step_NNNNNNNN")
     return int(m.group(1))
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
-             "numpy_pos": int(np_state[2]),
-             "python": torch.tensor(random.getstate()[1], dtype=torch.int64)}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # this rank's device (dropout on the GPU)
-    return state
-
-
-def set_rng_state(state: dict):
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32),
-                         state["numpy_pos"], 0, 0.0))
-    random.setstate((3, tuple(int(x) for x in state["python"].tolist()), None))
 
 
 def fsync_file(path: Path):
@@ -214,63 +190,21 @@ def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int,
                                            + (f"-ep{expert}" if expert > 1 else ""))
 
 
-def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
-         target_stage: int = 0, tag: Optional[str] = None):
-    """Load checkpoint `tag` (default: the latest) into ``engine``; returns (our state dict,
-    path). With a changed number of ranks every rank takes rank 0's state (all ranks' states are
-    equal: one seed, data position by step)."""
-    ckpt_dir = Path(ckpt_dir)
-    rank = topology.rank
-    tag = tag or find_tag(ckpt_dir)
-    path = ckpt_dir / tag
-    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined,
-                              topology.expert)
-                if plan == "universal" else ckpt_dir)
-    own = load_dir / tag / STATE_FILE.format(rank=rank)
-    state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)
-    try:
-        state = torch.load(state_path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise DrScaleError(f"{state_path}: unreadable trainer state ({type(e).__name__})") from None
-    written_for = state.get("model")
-    if written_for and written_for != expected_model:
-        diff = [f"{k}={written_for.get(k)} (this run: {v})" for k, v in expected_model.items()
-                if written_for.get(k) != v]
-        raise DrScaleError(f"{path}: checkpoint of another model shape: {', '.join(diff[:4])}")
-    if rank == 0:
-        for leftover in (STAGING, REHEARSAL):  # of a crashed save
-            shutil.rmtree(ckpt_dir / leftover, ignore_errors=True)
-    try:
-        load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
-    except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a bad file
-        raise DrScaleError(f"{path}: DeepSpeed could not load it ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
-    if load_path is None:
-        raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
-    if plan == "universal" and target_stage == 3:
-        repair_zero3_load(engine.optimizer, load_dir / tag)
-    nvme_offload.restore_optimizer_state(engine, load_dir, tag)
-    return state, path
+class WrittenLayout:
+    """The entries saying what wrote a checkpoint (the model's weight shapes, the parallel
+    layout, ZeRO-3's sub-group size): read by `saved_*` above, by load.py's shape check and by
+    resharding, never restored."""
 
+    def __init__(self, topology: Topology, model_signature: dict, zero_sub_group_size: int):
+        self.topology, self.model_signature = topology, model_signature
+        self.zero_sub_group_size = zero_sub_group_size
 
-def load_ema_state(tag_dir: Path, shape, tensor_rank: int = 0,
-                   topology: Optional[Topology] = None) -> dict:
-    """Whole EMA weights from the per-rank slices the ema callback saved with a checkpoint; under
-    tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
-    from dr_scale.callbacks.ema import assemble
+    def state_dict(self) -> dict:
+        t = self.topology
+        return {"model": self.model_signature,
+                "parallel": {"tensor": t.tensor, "pipeline": t.pipeline, "expert": t.expert},
+                # ZeRO-3 lays its optimizer state out by sub-groups of this size
+                "zero_sub_group_size": int(self.zero_sub_group_size)}
 
-    tag_dir = Path(tag_dir)
-    states = []
-    for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
-        rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
-        if topology is not None and topology.coords(rank)["tensor"] != tensor_rank:
-            continue
-        cbs = torch.load(path, map_location="cpu", weights_only=True).get("callbacks", {})
-        if isinstance(cbs, dict):  # keyed by callback name
-            states += [cbs["ema"]] if "ema" in cbs else []
-        else:  # older checkpoints: a list by position; the EMA state is the one shaped like it
-            states += [cb for cb in cbs if isinstance(cb, dict) and "ema" in cb and "names" in cb]
-    if not states:
-        raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
-                           "off for this run)")
-    return spec_of(shape.arch).tie_head(assemble(states), shape.tie_embeddings)
+    def load_state_dict(self, state: dict):
+        pass  # checked before the weights load (load.py), not restored

@@ -40,10 +40,10 @@ import torch.distributed as dist
 
 from dr_scale.runtime import comm, nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.train import manifest
-from dr_scale.train.snapshot import SnapshotBuffers, host_snapshot
-from dr_scale.train.write_progress import WriteProgress, job_store, wait_for_writers
-from dr_scale.train.checkpoint import (LATEST, REHEARSAL, STAGING, STATE_FILE, complete_tags,
+from dr_scale.checkpoint import manifest
+from dr_scale.checkpoint.snapshot import SnapshotBuffers, host_snapshot
+from dr_scale.checkpoint.write_progress import WriteProgress, job_store, wait_for_writers
+from dr_scale.checkpoint.layout import (LATEST, REHEARSAL, STAGING, STATE_FILE, complete_tags,
                                        fsync_dir, fsync_file, set_aside, set_aside_earlier,
                                        tag_for, write_atomic)
 

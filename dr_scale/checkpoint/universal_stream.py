@@ -7,7 +7,7 @@ are read from the page cache as they are cut: a worker's own memory is the fragm
 (and, merging, one parameter's pieces); the file's pages are the kernel's to take back. The
 output is byte for byte the same (benchmarks/reshard.py checks it).
 
-    python -m dr_scale.train.universal_stream <ds_to_universal's arguments>
+    python -m dr_scale.checkpoint.universal_stream <ds_to_universal's arguments>
 
 The workers are forked (ds_to_universal's ProcessPoolExecutor, Linux's default start method on
 the Pythons we support) and so inherit the mapped load.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from dr_scale.errors import DrScaleError
-from dr_scale.train.checkpoint import write_atomic
+from dr_scale.checkpoint.layout import write_atomic
 
 MANIFEST = "manifest.json"
 VERDICT = "verified.json"

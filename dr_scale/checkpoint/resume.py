@@ -10,9 +10,9 @@ from dr_scale.runtime import comm
 from dr_scale.runtime.ranks import global_rank, warn
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
-from dr_scale.train import manifest
-from dr_scale.train.checkpoint import complete_tags, find_tag, saved_position, step_of
-from dr_scale.train.reshard import (convert_to_universal, reshard_plan, universal_ready,
+from dr_scale.checkpoint import manifest
+from dr_scale.checkpoint.layout import complete_tags, find_tag, saved_position, step_of
+from dr_scale.checkpoint.reshard import (convert_to_universal, reshard_plan, universal_ready,
                                     wait_for_universal)
 
 # What marks a folder as a run folder (--resume auto starts fresh only in one of these or none)

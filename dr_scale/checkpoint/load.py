@@ -1,0 +1,51 @@
+"""Reading a checkpoint into a DeepSpeed engine: directly, or through the universal form made
+for this layout (resume.py), with the shape it was written for checked first."""
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dr_scale.checkpoint.layout import REHEARSAL, STAGING, STATE_FILE, find_tag, universal_dir
+from dr_scale.checkpoint.universal import repair_zero3_load
+from dr_scale.errors import DrScaleError
+from dr_scale.runtime import nvme_offload
+
+
+def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "direct",
+         target_stage: int = 0, tag: Optional[str] = None):
+    """Load checkpoint `tag` (default: the latest) into ``engine``; returns (our state dict,
+    path). With a changed number of ranks every rank takes rank 0's state (all ranks' states are
+    equal: one seed, data position by step)."""
+    ckpt_dir = Path(ckpt_dir)
+    rank = topology.rank
+    tag = tag or find_tag(ckpt_dir)
+    path = ckpt_dir / tag
+    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined,
+                              topology.expert)
+                if plan == "universal" else ckpt_dir)
+    own = load_dir / tag / STATE_FILE.format(rank=rank)
+    state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)
+    try:
+        state = torch.load(state_path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+        raise DrScaleError(f"{state_path}: unreadable trainer state ({type(e).__name__})") from None
+    written_for = state.get("model")
+    if written_for and written_for != expected_model:
+        diff = [f"{k}={written_for.get(k)} (this run: {v})" for k, v in expected_model.items()
+                if written_for.get(k) != v]
+        raise DrScaleError(f"{path}: checkpoint of another model shape: {', '.join(diff[:4])}")
+    if rank == 0:
+        for leftover in (STAGING, REHEARSAL):  # of a crashed save
+            shutil.rmtree(ckpt_dir / leftover, ignore_errors=True)
+    try:
+        load_path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed raises many kinds on a bad file
+        raise DrScaleError(f"{path}: DeepSpeed could not load it ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    if load_path is None:
+        raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
+    if plan == "universal" and target_stage == 3:
+        repair_zero3_load(engine.optimizer, load_dir / tag)
+    nvme_offload.restore_optimizer_state(engine, load_dir, tag)
+    return state, path
