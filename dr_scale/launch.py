@@ -85,9 +85,7 @@ def run(plan: RunPlan):
     engine = initialize_engine(parallel.model, group.ds, plan.cfg.train, scheduler,  # engine
                                deepspeed.path, parallel.mpu)
     parallel.after_engine(engine)
-    trainer = Trainer(engine, plan.cfg, sources, batch, group.topology,                # trainer
-                      group.run_dir, logger, facts, group.device, plan.callbacks,
-                      stop_at_step=plan.stop_at_step, resume_plan=resume)
+    trainer = Trainer(plan, group, engine, sources, logger, facts)                    # trainer
     if resume:
         trainer.resume()
     try:

@@ -1,5 +1,7 @@
 """The training loop over a DeepSpeed engine: the cadence of a run (log, evaluate, save, stop
-signals) around the steps its engine kind runs (train/step_runner.py)."""
+signals) around the steps its engine kind runs (train/step_runner.py). What a record's figures
+are is train/step_metrics.py's, what the held-out loss is train/evaluator.py's, what a checkpoint
+holds its owners' (checkpoint/state.py)."""
 import contextlib
 import math
 import time
@@ -8,9 +10,8 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from dr_scale.runtime import comm
 from dr_scale.data.documents import DocumentBoundaries
-from dr_scale.data.loader import eval_batches, train_loader
+from dr_scale.data.loader import train_loader
 from dr_scale.errors import Preempted
 from dr_scale.checkpoint import load as checkpoint_load
 from dr_scale.checkpoint.layout import WrittenLayout
@@ -18,37 +19,46 @@ from dr_scale.checkpoint.state import RandomGenerators, SavedState
 from dr_scale.checkpoint.writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList, CallbackState
 from dr_scale.runtime import hangs
-from dr_scale.train import step_runner
-from dr_scale.train.metrics import peak_memory_bytes, reset_peak_memory
 from dr_scale.runtime.preemption import StopSignals
+from dr_scale.train import step_runner
+from dr_scale.train.evaluator import Evaluator
+from dr_scale.train.metrics import reset_peak_memory
+from dr_scale.train.step_metrics import StepMetrics
 
 
 class Trainer:
-    def __init__(self, engine, cfg, sources, batch_sizes, topology, run_dir, logger, facts, device,
-                 callbacks=(), stop_at_step=None, resume_plan=None):
-        """`topology`: dr_scale.parallel.topology.Topology; `facts`: train.start.RunFacts (FLOPs
-        per token with and without recomputation, this rank's peak)."""
-        self.engine, self.cfg, self.sources, self.batch_sizes = engine, cfg, sources, batch_sizes
-        self.topology = topology
+    def __init__(self, plan, group, engine, sources, logger, facts):
+        """`plan`: dr_scale.plan.RunPlan; `group`: its Group (this rank's Topology, device, run
+        folder); `sources`: data.loader.DataSources; `logger`: train.metrics.MetricsLogger;
+        `facts`: train.start.RunFacts (FLOPs per token with and without recomputation, this
+        rank's peak)."""
+        cfg, topology = plan.cfg, group.topology
+        self.engine, self.cfg, self.sources = engine, cfg, sources
+        self.batch_sizes = batch_sizes = plan.deepspeed.batch
+        self.topology, self.device = topology, group.device
         self.dp_size, self.dp_rank = topology.data, topology.data_rank
-        self.run_dir, self.logger = Path(run_dir), logger
-        self.flops_per_token, self.peak = facts.flops_per_token, facts.peak
-        self.hardware_flops_per_token = facts.hardware_flops_per_token
-        self.steps = step_runner.for_topology(topology, self)  # plain or pipeline engine
-        self._phase_s = dict.fromkeys(self.steps.phases, 0.0)
-        self.device = device
-        self.stop_at_step = stop_at_step  # an invocation's exit point, not part of the config
-        self.resume_plan = resume_plan
+        self.run_dir, self.logger = Path(group.run_dir), logger
+        self.stop_at_step = plan.stop_at_step  # an invocation's exit point, not the config's
+        self.resume_plan = plan.resume
         self.last_loss = None         # the latest micro-batch loss (a tensor), for callbacks
         self.last_checkpoint = None   # path of the latest complete checkpoint
-        self.callbacks = CallbackList(callbacks)
+        self.callbacks = CallbackList(plan.callbacks)
         self._reported = {}  # name -> values reported by callbacks since the last train record
         self.stop = None     # the step this invocation ends at (set by fit)
         self.step = 0  # optimizer steps done (the schedule, max_steps and intervals count these)
         self.consumed_samples = 0  # the data position: samples read so far, on all ranks
-        self.tokens_per_step = batch_sizes["global"] * cfg.data.seq_length
-        self.model_signature = engine.module.shape.weights_signature()
         self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
+        self.steps = step_runner.for_topology(  # plain or pipeline engine
+            topology, engine, self.device, batch_sizes["accum"], self.documents,
+            step_runner.StepHooks(self.phase, self._loss_seen, self._after_backward,
+                                  self._before_update, self.report),
+            cfg.train.release_host_memory)
+        self._phase_s = dict.fromkeys(self.steps.phases, 0.0)
+        self.metrics = StepMetrics(topology, facts, batch_sizes["global"] * cfg.data.seq_length,
+                                   self.device.type, logger.info)
+        self.evaluator = Evaluator(engine, sources.valid, batch_sizes["micro"], topology,
+                                   self.device, self.steps)
+        self.model_signature = engine.module.shape.weights_signature()
         self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints", topology,
                                        cfg.train.keep_checkpoints, cfg.train.async_save,
                                        cfg.train.collective_timeout_s, cfg.train.async_snapshot)
@@ -85,6 +95,17 @@ class Trainer:
 
     def current_lr(self) -> float:
         return self.engine.get_lr()[0]
+
+    # -- what a step tells the loop (step_runner.StepHooks) ------------------------------------
+    def _loss_seen(self, loss):
+        self.last_loss = loss
+
+    def _after_backward(self, micro: int):
+        self.callbacks.fire("after_backward", self, self.step, micro)
+
+    def _before_update(self):
+        with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
+            self.writer.before_update()  # they read the weights the step now changes
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -136,29 +157,15 @@ class Trainer:
         self.callbacks.fire("on_resume", self, self.step, path)
 
     # -- evaluation ----------------------------------------------------------------------------
-    @torch.no_grad()
     def eval_loss(self) -> float:
         """Mean held-out token loss over all data-parallel ranks, with the current weights."""
-        self.engine.eval()
-        totals = torch.zeros(2, dtype=torch.float64)
-        for batch in eval_batches(self.sources.valid, self.batch_sizes["micro"], self.dp_size,
-                                  self.dp_rank):
-            batch = batch.to(self.device)
-            loss = self.steps.eval_loss(batch)
-            tokens = batch[:, 1:].numel()
-            totals += torch.tensor([loss.float().item() * tokens, tokens], dtype=torch.float64)
-        comm.all_reduce(totals)
-        self.steps.eval_done()
-        self.engine.train()
-        _forget_zero3_trace(self.engine)
-        self._eval_tokens = int(totals[1])
-        return (totals[0] / totals[1]).item()
+        return self.evaluator.loss()[0]
 
     def evaluate(self) -> dict:
         with hangs.doing(f"evaluation at step {self.step}"):
-            eval_loss = self.eval_loss()
+            eval_loss, tokens = self.evaluator.loss()
         rec = {"step": self.step, "eval_loss": eval_loss,
-               "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": self._eval_tokens}
+               "eval_ppl": math.exp(min(eval_loss, 50.0)), "eval_tokens": tokens}
         self.callbacks.fire("on_evaluate", self, self.step, rec)  # callbacks may add fields
         self.logger.log(rec)
         return rec
@@ -251,35 +258,12 @@ class Trainer:
         return out
 
     def _train_record(self, window_losses, seconds, lr) -> dict:
-        """Mean loss over the window's steps (averaged over data-parallel ranks), throughput."""
-        losses = torch.stack(window_losses)
-        comm.all_reduce(losses)
-        losses = losses / self.topology.world  # tensor-parallel ranks hold equal copies
-        mem = torch.tensor([peak_memory_bytes(self.device.type)], dtype=torch.float64)
-        comm.all_reduce(mem, "max")  # the fullest rank is the one that matters
-        steps = len(window_losses)
-        tokens_per_s = steps * self.tokens_per_step / seconds
-        flops_per_rank = tokens_per_s * self.flops_per_token / self.topology.world
-        hw_flops_per_rank = tokens_per_s * self.hardware_flops_per_token / self.topology.world
-        was_reliable, was_remeasured, before = (not self.peak.unreliable, self.peak.remeasured,
-                                                self.peak.value)
-        if not self.peak.check(hw_flops_per_rank / self.peak.value) and was_reliable:  # HFU>=MFU
-            self.logger.info(f"MFU not reported from step {self.step} on: above 100% even "
-                             f"after measuring the peak again ({self.peak.source})")
-        elif self.peak.remeasured and not was_remeasured:  # the start line's figure is replaced
-            self.logger.info(f"peak (MFU's denominator) measured again at step {self.step}: "
-                             f"{self.peak.value / 1e12:.3f} TFLOP/s per rank, was "
-                             f"{before / 1e12:.3f} (MFU above 100% against it)")
-        utilisation = {} if self.peak.unreliable else {
-            "mfu": flops_per_rank / self.peak.value, "hfu": hw_flops_per_rank / self.peak.value}
-        return {"step": self.step, "loss": losses.mean().item(), "lr": lr,
-                "tokens_per_s": tokens_per_s, "tflops": flops_per_rank / 1e12, **utilisation,
-                "peak_tflops": self.peak.value / 1e12,
-                "step_time_s": seconds / steps,
+        """The window's figures (step_metrics.py), the data position, what callbacks reported."""
+        return {**self.metrics.window(self.step, window_losses, seconds), "lr": lr,
                 "consumed_samples": self.consumed_samples,
                 "consumed_tokens": self.consumed_samples * self.cfg.data.seq_length,
                 "skipped_steps": int(self.engine.skipped_steps),
-                "mem_peak_bytes": int(mem.item()), **self._breakdown(steps), **self._grad_norm(),
+                **self._breakdown(len(window_losses)), **self._grad_norm(),
                 **self._drain_reports()}
 
     def _grad_norm(self) -> dict:
@@ -288,17 +272,3 @@ class Trainer:
         if norm is None:
             return {}
         return {"grad_norm": float(norm)}
-
-
-def _forget_zero3_trace(engine):
-    """ZeRO-3 prefetches parameters by replaying the module order it recorded; forward-only
-    evaluation passes leave it a trace that training steps never match again, and training ran
-    ~20% slower after the step-0 evaluation (llama_125m, 2 CPU ranks). Dropping the trace after
-    each evaluation makes the next training step record a fresh one. (DeepSpeed has no public
-    call for this; the coordinator's own invalidation is used.)"""
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
-    if offload is None:
-        return
-    coordinator = offload.get_param_coordinator()
-    if not coordinator.is_invalid_trace():
-        coordinator._invalidate_trace()
