@@ -123,7 +123,7 @@ def cmd_reshard(a):
     from pathlib import Path
 
     from dr_scale.config import ds_config as dsc
-    from dr_scale.checkpoint.layout import find_tag, saved_parallel_layout
+    from dr_scale.checkpoint.layout import TargetLayout, find_tag, saved_parallel_layout
     from dr_scale.checkpoint.reshard import convert_to_universal, default_workers, reshard_plan
 
     if a.to:
@@ -145,7 +145,8 @@ def cmd_reshard(a):
     tensor = a.tensor_parallel or tensor
     pipeline = a.pipeline_parallel or pipeline
     expert = a.expert_parallel or expert
-    plan = reshard_plan(ckpt_dir, tag, a.ranks, stage, tensor, pipeline, expert=expert)
+    target = TargetLayout(a.ranks, stage, tensor, pipeline, expert)
+    plan = reshard_plan(ckpt_dir, tag, target)
     if plan == "direct":
         print(f"{ckpt_dir / tag}: loads as it is on {a.ranks} rank(s) at ZeRO-{stage}, TP "
               f"{tensor} x PP {pipeline} (EP {expert}); nothing to convert")
@@ -154,8 +155,7 @@ def cmd_reshard(a):
     print(f"resharding {ckpt_dir / tag} for {a.ranks} rank(s) at ZeRO-{stage}, TP {tensor} x PP "
           f"{pipeline} (EP {expert}), with {workers} worker(s)", flush=True)
     t0 = time.time()
-    out = convert_to_universal(ckpt_dir, tag, stage, a.ranks, workers, pipelined=pipeline > 1,
-                               expert=expert)
+    out = convert_to_universal(ckpt_dir, tag, target, workers)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
     print(f"wrote {out} in {time.time() - t0:.1f} s (largest process {peak:.2f} GiB); "
           f"`--resume` on {a.ranks} rank(s) loads it")

@@ -127,14 +127,15 @@ def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path
 def test_tensor_and_expert_parallel_checkpoint_refuses_another_layout(ep_runs):
     """DeepSpeed 0.19.8's ZeRO-1/2 universal conversion refuses experts split over ranks under
     tensor parallelism: a change of layout is a one-line error before anything starts."""
+    from dr_scale.checkpoint.layout import TargetLayout
     from dr_scale.checkpoint.reshard import reshard_plan
 
     _, runs = ep_runs
     ckpt = runs["TP 2 x EP 2"] / "checkpoints"
-    assert reshard_plan(ckpt, "step_00000006", 4, 2, tensor=2, expert=2) == "direct"
+    assert reshard_plan(ckpt, "step_00000006", TargetLayout(4, 2, tensor=2, expert=2)) == "direct"
     with pytest.raises(DrScaleError, match=r"refuses experts split over ranks with tensor "
                                            r"parallelism; resume it on its own layout") as e:
-        reshard_plan(ckpt, "step_00000006", 4, 2, tensor=1, expert=2)
+        reshard_plan(ckpt, "step_00000006", TargetLayout(4, 2, tensor=1, expert=2))
     assert "\n" not in str(e.value)
 
 

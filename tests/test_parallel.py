@@ -106,12 +106,13 @@ def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage
     assert_same(got, reference)
     # Resuming it: the same layout loads directly; another TP size, number of ranks or ZeRO
     # stage converts (the losses after: test_reshard.py)
+    from dr_scale.checkpoint.layout import TargetLayout
     from dr_scale.checkpoint.reshard import reshard_plan
 
     ckpt, tag = got[6] / "checkpoints", f"step_{STEPS:08d}"
-    assert reshard_plan(ckpt, tag, 2, stage, tensor=2) == "direct"
+    assert reshard_plan(ckpt, tag, TargetLayout(2, stage, tensor=2)) == "direct"
     for ranks, tensor, target_stage in ((2, 1, 3), (4, 2, 3), (2, 1, 1)):
-        assert reshard_plan(ckpt, tag, ranks, target_stage, tensor=tensor) == "universal"
+        assert reshard_plan(ckpt, tag, TargetLayout(ranks, target_stage, tensor)) == "universal"
 
 
 def test_sequence_parallel_equals_one_rank(reference, tmp_path, cache_dir):
@@ -151,13 +152,14 @@ def test_pipeline_2_stages_equals_one_rank(reference, tmp_path, cache_dir, data,
     assert_same_weights(weights, reference[4])
     # its checkpoint loads directly on its own layout and converts to any other (the losses
     # after: test_reshard.py)
+    from dr_scale.checkpoint.layout import TargetLayout
     from dr_scale.checkpoint.reshard import reshard_plan
 
     ckpt, tag = out / "checkpoints", f"step_{STEPS:08d}"
-    assert reshard_plan(ckpt, tag, 4, 1, tensor=tensor, pipeline=2) == "direct"
-    assert reshard_plan(ckpt, tag, 2, 1, tensor=1, pipeline=1) == "universal"
-    assert reshard_plan(ckpt, tag, 2, 3, tensor=1, pipeline=1) == "universal"
-    assert reshard_plan(ckpt, tag, 8, 1, tensor=2, pipeline=2) == "universal"
+    assert reshard_plan(ckpt, tag, TargetLayout(4, 1, tensor, 2)) == "direct"
+    assert reshard_plan(ckpt, tag, TargetLayout(2, 1)) == "universal"
+    assert reshard_plan(ckpt, tag, TargetLayout(2, 3)) == "universal"
+    assert reshard_plan(ckpt, tag, TargetLayout(8, 1, 2, 2)) == "universal"
 
 
 def test_gpt2_pipeline_2_stages_equals_one_rank(tmp_path, cache_dir):

@@ -222,17 +222,19 @@ def test_nvme_optimizer_state_is_not_resharded(uninterrupted, tmp_path):
     either way (checkpoint/reshard.py): a run with its state on NVMe resumes on its own ranks, and
     another number of ranks is one line naming the way out, before any conversion starts."""
     from dr_scale.errors import DrScaleError
+    from dr_scale.checkpoint.layout import TargetLayout
     from dr_scale.checkpoint.reshard import reshard_plan
 
     run = tmp_path / "run"
     stopped_at(uninterrupted(2, "zero3"), run, 4)
     ckpt = run / "checkpoints"
-    assert reshard_plan(ckpt, "step_00000004", 2, 3, target_nvme=True) == "direct"
+    assert reshard_plan(ckpt, "step_00000004", TargetLayout(2, 3), target_nvme=True) == "direct"
     with pytest.raises(DrScaleError, match="resumed with 100000 and optimizer state on NVMe"):
-        reshard_plan(ckpt, "step_00000004", 2, 3, target_nvme=True, sub_group_size=100_000)
+        reshard_plan(ckpt, "step_00000004", TargetLayout(2, 3), target_nvme=True,
+                     sub_group_size=100_000)
     with pytest.raises(DrScaleError, match="resuming on 1 needs DeepSpeed's universal checkpoint, "
                                            "which it cannot load into optimizer state on NVMe"):
-        reshard_plan(ckpt, "step_00000004", 1, 3, target_nvme=True)
+        reshard_plan(ckpt, "step_00000004", TargetLayout(1, 3), target_nvme=True)
     # written with its state on NVMe: DeepSpeed copies the swap files into the checkpoint here
     (ckpt / "step_00000004" / "offloaded_tensors" / "rank00").mkdir(parents=True)
     proc = subprocess.run([sys.executable, "-m", "dr_scale.cli", "reshard", "--run_dir", str(run),

@@ -11,6 +11,7 @@ who owns each entry, load.py reads a checkpoint into an engine.
 """
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -179,15 +180,37 @@ def tensor_ranks(tag_dir: Path) -> list:
                    if (m := re.search(r"mp_rank_(\d+)", f.name))})
 
 
-def universal_dir(ckpt_dir: Path, target_stage: int, world_size: int,
-                  pipelined: bool = False, expert: int = 1) -> Path:
+@dataclass(frozen=True)
+class TargetLayout:
+    """The layout a checkpoint is loaded into: its ranks, ZeRO stage, and tensor, pipeline and
+    expert-parallel sizes."""
+    world: int
+    stage: int
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+    @classmethod
+    def of(cls, topology: Topology, stage: int) -> "TargetLayout":
+        return cls(topology.world, stage, topology.tensor, topology.pipeline, topology.expert)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline > 1
+
+    def describe(self) -> str:
+        return (f"{self.world} rank(s) at ZeRO-{self.stage}, TP {self.tensor} x PP "
+                f"{self.pipeline}" + (f" (EP {self.expert})" if self.expert > 1 else ""))
+
+
+def universal_dir(ckpt_dir: Path, target: TargetLayout) -> Path:
     """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank; a
     pipeline names its parameters by layer and loads its weights from layer files; expert
     parallelism keeps the experts in optimizer groups of their own)."""
-    family = "zero3" if target_stage == 3 else "zero12"
-    name = f"{family}-{world_size}ranks" if target_stage == 3 else family
-    return Path(ckpt_dir) / "universal" / (name + ("-pipeline" if pipelined else "")
-                                           + (f"-ep{expert}" if expert > 1 else ""))
+    family = "zero3" if target.stage == 3 else "zero12"
+    name = f"{family}-{target.world}ranks" if target.stage == 3 else family
+    return Path(ckpt_dir) / "universal" / (name + ("-pipeline" if target.pipelined else "")
+                                           + (f"-ep{target.expert}" if target.expert > 1 else ""))
 
 
 class WrittenLayout:

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from dr_scale.checkpoint.layout import REHEARSAL, STAGING, STATE_FILE, find_tag, universal_dir
+from dr_scale.checkpoint.layout import (REHEARSAL, STAGING, STATE_FILE, TargetLayout, find_tag,
+                                        universal_dir)
 from dr_scale.checkpoint.universal import repair_zero3_load
 from dr_scale.errors import DrScaleError
 from dr_scale.runtime import nvme_offload
@@ -21,8 +22,7 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
     rank = topology.rank
     tag = tag or find_tag(ckpt_dir)
     path = ckpt_dir / tag
-    load_dir = (universal_dir(ckpt_dir, target_stage, topology.world, topology.pipelined,
-                              topology.expert)
+    load_dir = (universal_dir(ckpt_dir, TargetLayout.of(topology, target_stage))
                 if plan == "universal" else ckpt_dir)
     own = load_dir / tag / STATE_FILE.format(rank=rank)
     state_path = own if own.is_file() else load_dir / tag / STATE_FILE.format(rank=0)

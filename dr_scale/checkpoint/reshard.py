@@ -25,16 +25,15 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.checkpoint.layout import (STATE_FILE, ranks_written, saved_model,
+from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, ranks_written, saved_model,
                                        saved_parallel_layout, saved_sub_group_size,
                                        saved_zero_family, universal_dir)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
 
 
-def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
-                 tensor: int = 1, pipeline: int = 1, target_nvme: bool = False,
-                 sub_group_size: Optional[int] = None, expert: int = 1):
+def reshard_plan(ckpt_dir: Path, tag: str, target: TargetLayout, target_nvme: bool = False,
+                 sub_group_size: Optional[int] = None):
     """How to load ``tag`` into this run: "direct", or "universal" (DeepSpeed's universal
     checkpoint, converted on first use); one line of error where neither can work.
     `target_nvme`: the run keeps its optimizer state on NVMe (offload_optimizer.device=nvme);
@@ -44,12 +43,12 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     written = ranks_written(tag_dir)
     saved = saved_parallel_layout(tag_dir)
     family = saved_zero_family(tag_dir)
-    target = {0: 0, 1: 1, 2: 1, 3: 3}[target_stage]
-    layout_changes = saved != (tensor, pipeline, expert) or (
-        max(saved) > 1 and (written != world_size or family != target))
+    world_size = target.world
+    target_family = {0: 0, 1: 1, 2: 1, 3: 3}[target.stage]
+    layout_changes = saved != (target.tensor, target.pipeline, target.expert) or (
+        max(saved) > 1 and (written != world_size or family != target_family))
     if layout_changes:
-        _refuse_layout_change(tag_dir, saved, (tensor, pipeline, expert), written, world_size,
-                              family, target_stage)
+        _refuse_layout_change(tag_dir, saved, target, written, family)
     shards = {0: None, 1: "*zero_pp_rank_*_optim_states.pt", 3: "zero_pp_rank_*_model_states.pt"}
     if shards[family] and len(list(tag_dir.glob(shards[family]))) != written:
         raise DrScaleError(f"{tag_dir}: dr_scale state of {written} rank(s) but DeepSpeed shards "
@@ -57,7 +56,7 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
     if layout_changes:  # a change of tensor- or pipeline-parallel size: through it (tested exact)
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
         return "universal"
-    if written == world_size and family == target:
+    if written == world_size and family == target_family:
         saved_groups = saved_sub_group_size(tag_dir)
         if family != 3 or sub_group_size in (None, saved_groups):
             return "direct"
@@ -68,21 +67,21 @@ def reshard_plan(ckpt_dir: Path, tag: str, world_size: int, target_stage: int,
                 f"cannot re-lay out (its universal checkpoint does not meet swapped state): "
                 f"resume with sub_group_size {saved_groups}")
         return "universal"  # the optimizer state laid out in other sub-groups
-    if family == 0 and target == 0:
+    if family == 0 and target_family == 0:
         return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
-    if family and target:
+    if family and target_family:
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
         return "universal"
     names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
     raise DrScaleError(
         f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
-        f"ZeRO-{target_stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
+        f"ZeRO-{target.stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
         "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
         "and model.init_from")
 
 
-def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: int,
-                          world_size: int, family: int, target_stage: int) -> None:
+def _refuse_layout_change(tag_dir: Path, saved: tuple, target: TargetLayout, written: int,
+                          family: int) -> None:
     """A change of tensor- or pipeline-parallel size (and of the data-parallel size with it)
     goes through DeepSpeed's universal form. Tensor parallelism: AutoTP records which of its
     parameters are row-parallel, replicated or sliced by vocabulary in the checkpoint,
@@ -96,14 +95,16 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: tuple, written: i
     ways, DP x TP at ZeRO-3 <-> DP at ZeRO-1, a pipeline to ZeRO-3."""
     was = (f"tensor_parallel={saved[0]} x pipeline_parallel={saved[1]} (expert_parallel="
            f"{saved[2]}) on {written} rank(s)")
-    now = f"{target[0]} x {target[1]} ({target[2]}) on {world_size} at ZeRO-{target_stage}"
+    now = (f"{target.tensor} x {target.pipeline} ({target.expert}) on {target.world} at "
+           f"ZeRO-{target.stage}")
     way_out = ("resume it on its own layout, or `dr-scale export` the weights and start a run "
                "from them with model.init_from (a fresh optimizer)")
-    if 0 in (family, target_stage):
+    if 0 in (family, target.stage):
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, which ZeRO-0 neither writes nor reads; {way_out}")
-    if any(layout[0] > 1 and layout[2] > 1 for layout in (saved, target)):
+    if any(tensor > 1 and expert > 1 for tensor, expert in
+           ((saved[0], saved[2]), (target.tensor, target.expert))):
         raise DrScaleError(
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, whose ZeRO-1/2 conversion (0.19.8) refuses experts "
@@ -160,10 +161,8 @@ def _refuse_universal_with_nvme(tag_dir: Path, written: int, world_size: int,
             f"resume it on {written} rank(s), or without NVMe offload, or {way_out}")
 
 
-def universal_ready(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                    pipelined: bool = False, expert: int = 1) -> bool:
-    return (universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert) / tag /
-            STATE_FILE.format(rank=0)).is_file()
+def universal_ready(ckpt_dir: Path, tag: str, target: TargetLayout) -> bool:
+    return (universal_dir(ckpt_dir, target) / tag / STATE_FILE.format(rank=0)).is_file()
 
 
 def default_workers(tag_dir: Path) -> int:
@@ -187,9 +186,8 @@ def _largest_joined_tensor(tag_dir: Path) -> int:
     return largest * saved_parallel_layout(tag_dir)[0]
 
 
-def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                         workers: Optional[int] = None, show_progress: bool = True,
-                         pipelined: bool = False, expert: int = 1) -> Path:
+def convert_to_universal(ckpt_dir: Path, tag: str, target: TargetLayout,
+                         workers: Optional[int] = None, show_progress: bool = True) -> Path:
     """Run DeepSpeed's ds_to_universal once per tag and target, then adapt it to the target's
     ZeRO family if the source was the other one; our rank-0 state goes along. DeepSpeed's
     progress bars (percent, rate, ETA) go to stderr. A failure leaves a one-line note for the
@@ -198,8 +196,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
 
     ckpt_dir = Path(ckpt_dir)
     source = saved_zero_family(ckpt_dir / tag)
-    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert) / tag
-    if universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined, expert):
+    out = universal_dir(ckpt_dir, target) / tag
+    if universal_ready(ckpt_dir, tag, target):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     failed = out.parent / FAILED.format(tag=tag)
@@ -209,23 +207,23 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         ds_to_universal(ckpt_dir / tag, tmp, workers, show_progress)
-        if source == 3 and target_stage in (1, 2):
+        if source == 3 and target.stage in (1, 2):
             universal.zero3_to_zero12(tmp)
-        elif source == 1 and target_stage == 3:
-            universal.zero12_to_zero3(tmp, world_size)
+        elif source == 1 and target.stage == 3:
+            universal.zero12_to_zero3(tmp, target.world)
         elif source == 3:
             for tensor_rank in universal.model_states_ranks(
                     tmp, "zero_pp_rank_0_mp_rank_*_model_states.pt"):
                 universal.zero3_model_states(
                     tmp, tmp / f"zero_pp_rank_0_mp_rank_{tensor_rank}_model_states.pt",
-                    tensor_rank, world_size)
+                    tensor_rank, target.world)
         signature = saved_model(ckpt_dir / tag)
         if saved_parallel_layout(ckpt_dir / tag)[1] > 1:  # a pipeline's names -> the model's
             universal.from_pipeline_names(tmp, signature)
-        if pipelined:
+        if target.pipelined:
             universal.to_pipeline_names(tmp, signature)
-        if target_stage in (1, 2) and saved_parallel_layout(ckpt_dir / tag)[2] != expert:
-            universal.to_expert_groups(tmp, expert)
+        if target.stage in (1, 2) and saved_parallel_layout(ckpt_dir / tag)[2] != target.expert:
+            universal.to_expert_groups(tmp, target.expert)
         shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
     except DrScaleError as e:
         failed.write_text(str(e) + "\n")
@@ -261,15 +259,14 @@ def ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool)
                            f"({(lines or ['?'])[-1][:200]})")
 
 
-def wait_for_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: int,
-                       stall_s: int, poll_s: float = 0.5, pipelined: bool = False,
-                       expert: int = 1):
+def wait_for_universal(ckpt_dir: Path, tag: str, target: TargetLayout, stall_s: int,
+                       poll_s: float = 0.5):
     """Another rank converts (before any process group exists): wait for its output; give up
     with its error line, or when the conversion has written nothing for `stall_s` seconds."""
-    out = universal_dir(ckpt_dir, target_stage, world_size, pipelined, expert)
+    out = universal_dir(ckpt_dir, target)
     failed = out / FAILED.format(tag=tag)
     last_change, last_size = time.monotonic(), -1
-    while not universal_ready(ckpt_dir, tag, target_stage, world_size, pipelined, expert):
+    while not universal_ready(ckpt_dir, tag, target):
         if failed.is_file():
             raise DrScaleError(failed.read_text().strip())
         size = _bytes_under(out / f".{tag}.tmp")
@@ -279,8 +276,8 @@ def wait_for_universal(ckpt_dir: Path, tag: str, target_stage: int, world_size: 
             raise DrScaleError(
                 f"{Path(ckpt_dir) / tag}: waited {stall_s} s for rank 0's conversion to a "
                 f"universal checkpoint with no progress; convert it first with `dr-scale "
-                f"reshard --run_dir {Path(ckpt_dir).parent} --ranks {world_size} "
-                f"--zero_stage {target_stage}`, then resume")
+                f"reshard --run_dir {Path(ckpt_dir).parent} --ranks {target.world} "
+                f"--zero_stage {target.stage}`, then resume")
         time.sleep(poll_s)
 
 

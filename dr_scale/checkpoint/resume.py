@@ -11,7 +11,8 @@ from dr_scale.runtime.ranks import global_rank, warn
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.checkpoint import manifest
-from dr_scale.checkpoint.layout import complete_tags, find_tag, saved_position, step_of
+from dr_scale.checkpoint.layout import (TargetLayout, complete_tags, find_tag, saved_position,
+                                        step_of)
 from dr_scale.checkpoint.reshard import (convert_to_universal, reshard_plan, universal_ready,
                                     wait_for_universal)
 
@@ -69,8 +70,7 @@ def prepare_files(plan):
     if plan.fresh_over_old and global_rank() == 0:
         shutil.rmtree(plan.run_dir / "checkpoints", ignore_errors=True)
     if plan.resume is not None:
-        convert_before_group(plan.resume, plan.topology.world,
-                             plan.cfg.train.collective_timeout_s)
+        convert_before_group(plan.resume, plan.cfg.train.collective_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -82,21 +82,19 @@ class ResumePlan:
     step: int
     consumed_samples: int
     mode: str
-    zero_stage: int
-    pipelined: bool = False  # the resumed run's (its universal form is named for a pipeline)
-    expert: int = 1          # the resumed run's expert-parallel size (its own optimizer groups)
+    target: TargetLayout     # the resumed run's layout (its universal form is made for it)
 
 
 def plan_resume(run_dir: Path, topo, deepspeed, timeout_s: int = 600) -> ResumePlan:
     """`deepspeed`: the plan's config/ds_config.DeepSpeedView."""
     ckpt_dir = run_dir / "checkpoints"
     tag = newest_intact(ckpt_dir, timeout_s)
-    stage = deepspeed.stage
-    mode = reshard_plan(ckpt_dir, tag, topo.world, stage, topo.tensor, topo.pipeline,
+    target = TargetLayout.of(topo, deepspeed.stage)
+    mode = reshard_plan(ckpt_dir, tag, target,
                         target_nvme="offload_optimizer" in deepspeed.nvme_sections,
-                        sub_group_size=dsc.sub_group_size(deepspeed.filled), expert=topo.expert)
+                        sub_group_size=dsc.sub_group_size(deepspeed.filled))
     step, consumed = saved_position(ckpt_dir / tag)
-    return ResumePlan(ckpt_dir, tag, step, consumed, mode, stage, topo.pipelined, topo.expert)
+    return ResumePlan(ckpt_dir, tag, step, consumed, mode, target)
 
 
 def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
@@ -122,22 +120,19 @@ def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
                           if len(skipped) > 1 else ""))
 
 
-def convert_before_group(plan: ResumePlan, world: int, timeout_s: int):
+def convert_before_group(plan: ResumePlan, timeout_s: int):
     """--resume on another number of ranks or ZeRO family: the checkpoint is converted to
     DeepSpeed's universal format before the process group exists, by global rank 0 (the others
     wait for its output on the shared file system), so no collective waits on the conversion."""
-    ckpt_dir, tag, stage, pipelined = plan.ckpt_dir, plan.tag, plan.zero_stage, plan.pipelined
-    expert = plan.expert
-    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, stage, world, pipelined,
-                                                   expert):
+    ckpt_dir, tag, target = plan.ckpt_dir, plan.tag, plan.target
+    if plan.mode != "universal" or universal_ready(ckpt_dir, tag, target):
         return
     if global_rank() == 0:
-        print(f"dr_scale: resharding {ckpt_dir / tag} for {world} rank(s) at ZeRO-{stage} "
-              f"(DeepSpeed universal checkpoint; `dr-scale reshard` does this ahead of a job)",
-              flush=True)
+        print(f"dr_scale: resharding {ckpt_dir / tag} for {target.world} rank(s) at "
+              f"ZeRO-{target.stage} (DeepSpeed universal checkpoint; `dr-scale reshard` does "
+              f"this ahead of a job)", flush=True)
         t0 = time.time()
-        convert_to_universal(ckpt_dir, tag, stage, world, pipelined=pipelined, expert=expert)
+        convert_to_universal(ckpt_dir, tag, target)
         print(f"dr_scale: resharded in {time.time() - t0:.1f} s", flush=True)
     else:
-        wait_for_universal(ckpt_dir, tag, stage, world, stall_s=timeout_s, pipelined=pipelined,
-                           expert=expert)
+        wait_for_universal(ckpt_dir, tag, target, stall_s=timeout_s)
