@@ -1,7 +1,11 @@
-"""The one exception type for bad user input.
+"""The one exception type for bad user input, and the exit codes.
 
 Every message is a single line that names the file, the key and what was expected; the launcher
-and the console script print it without a traceback and exit with status 2.
+and the console script print it without a traceback. The launcher's exit code says what kind of
+fault it was, which a scheduler acts on (launchers/slurm_pretrain.sbatch): a configuration error
+found by the plan, before any process group (EXIT_CONFIG: retrying cannot help), or a fault met
+while running (EXIT_FAULT: an I/O error, a full disk, a save another rank could not write, a
+lost or silent rank; the configuration was fine, and a requeue may get past it).
 """
 
 
@@ -19,7 +23,9 @@ def where(path, key=None) -> str:
     return str(path)
 
 
+EXIT_CONFIG = 2      # a configuration error: the plan refused the run; not retried
 EXIT_STOPPED = 3     # a callback stopped training (e.g. nan_guard)
+EXIT_FAULT = 74      # a fault while running (sysexits' EX_IOERR); retried within a budget
 EXIT_PREEMPTED = 75  # a stop signal: checkpoint saved; run the same command with --resume auto
 
 

@@ -12,13 +12,12 @@ import sys
 import torch
 
 from dr_scale.runtime import comm, nvme_offload, warm_imports
-from dr_scale.config import ds_config as dsc
 from dr_scale.config.arguments import parse_args
 from dr_scale.data.prepare import prepare_data
 from dr_scale.runtime.process_group import close_distributed
 from dr_scale.runtime.ranks import global_rank, say, say_error
-from dr_scale.errors import (EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError, Preempted,
-                             TrainingStopped)
+from dr_scale.errors import (EXIT_CONFIG, EXIT_FAULT, EXIT_PREEMPTED, EXIT_STOPPED, DrScaleError,
+                             Preempted, TrainingStopped)
 from dr_scale.export.hf import load_into
 from dr_scale.models.build import with_tokenizer_vocab
 from dr_scale.models.kernel_choice import select_kernels
@@ -104,7 +103,12 @@ def main(argv=None):
     args = None
     try:
         args = parse_args(argv)
-        run(check(args))
+        plan = check(args)
+    except DrScaleError as e:  # what a configuration can get wrong, found before any group
+        say_error(str(e))
+        leave(EXIT_CONFIG)
+    try:
+        run(plan)
         code = 0
     except TrainingStopped as e:
         if global_rank() == 0:
@@ -116,17 +120,19 @@ def main(argv=None):
         if error is None:
             raise
         say(f"dr_scale: error: {error}")
-        code = 1
+        code = EXIT_FAULT
     except AssertionError as e:  # DeepSpeed's parameter swapper's buffers too few or small
-        error = args and nvme_offload.swapper_error(e, str(dsc.resolve_path(
-            args.ds_config)))
+        error = nvme_offload.swapper_error(e, plan.deepspeed.source)
         if not error:
             raise
         say_error(error)
-        code = 2
-    except DrScaleError as e:
+        code = EXIT_CONFIG  # a configuration the plan cannot see: DeepSpeed's buffers' use
+    except DrScaleError as e:  # met while running: a save, a load, the data, a stall
         say_error(str(e))
-        code = 2
+        code = EXIT_FAULT
+    except OSError as e:  # the file system: EIO, a full disk, a vanished file
+        say_error(f"{e.filename or 'I/O'}: {e.strerror or e} (errno {e.errno})")
+        code = EXIT_FAULT
     leave(code)
 
 

@@ -21,6 +21,7 @@ from dr_scale.runtime import nvme_offload, op_builds
 from dr_scale.runtime.ranks import local_rank, warn
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.config import load_config
+from dr_scale.data.loader import check_eval_share
 from dr_scale.data.prepare import DataPlan, plan_data
 from dr_scale.runtime.process_group import init_distributed, world_size_from_env
 from dr_scale.errors import DrScaleError
@@ -28,12 +29,13 @@ from dr_scale.export.hf import apply_init_from
 from dr_scale.runtime.hardware import bf16_support
 from dr_scale.models import resolve_shape
 from dr_scale.models.build import ModelShape, vocab_for
+from dr_scale.models.kernel_choice import check_kernels
 from dr_scale.parallel import memory_guard
 from dr_scale.parallel import parallelize as par
 from dr_scale.parallel.tensor import autotp_section
 from dr_scale.parallel.topology import Topology
 from dr_scale.runtime import hangs
-from dr_scale.train.engine import check_precision
+from dr_scale.train.engine import check_precision, check_with_deepspeed
 from dr_scale.checkpoint.resume import (ResumePlan, default_run_dir, plan_resume,
                                   refuse_old_checkpoints, resume_decision)
 from dr_scale.train.schedule import check_schedule
@@ -45,7 +47,8 @@ class RunPlan:
     deepspeed: dsc.DeepSpeedView  # the DeepSpeed JSON as written and filled; stage, precision...
     device_type: str              # cuda | cpu
     topology: Topology            # rank-less: sizes and layout rules
-    shape: ModelShape             # the config's shape (the data step settles the vocabulary)
+    shape: ModelShape             # the config's; its vocabulary the named tokenizer's, else the
+                                  # data step settles it
     data: DataPlan                # the named tokenizer (loaded) and datasets, checked
     callbacks: List[Any]          # built and checked
     run_dir: Optional[Path]       # resolved (None: the ranks choose a timestamped one)
@@ -71,20 +74,24 @@ def check(args) -> RunPlan:
         raise DrScaleError(f"data.seq_length={cfg.data.seq_length} exceeds "
                            f"model.max_seq_length={shape.max_seq_length}")
     check_schedule(cfg.train)
+    check_eval_share(cfg.train.eval_samples, topo.data)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     deepspeed = deepspeed_view(args.ds_config, cfg, topo, shape, device_type)
     par.refusals(shape, topo, cfg, deepspeed)
+    check_kernels(shape, cfg, device_type, deepspeed.precision)
     nvme_offload.check_system(deepspeed.filled, deepspeed.source)
     callbacks = build_callbacks(cfg.callbacks, topo)
     data = plan_data(cfg.data, run_dir if resume else None)
     if data.vocab_size is not None:  # a model.vocab_size smaller than the tokenizer's
-        vocab_for(cfg.model, data.vocab_size)
+        shape = dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, data.vocab_size))
     if not args.skip_memory_check:  # before any rank allocates the model
         memory_guard.refuse_if_too_big(cfg, deepspeed.filled, topo, device_type,
                                        deepspeed.source, shape, vocab=data.vocab_size)
     resume_plan = None
     if resume:
-        resume_plan = plan_resume(run_dir, topo, deepspeed, cfg.train.collective_timeout_s)
+        resume_plan = plan_resume(run_dir, topo, deepspeed, shape.weights_signature(),
+                                  data.vocab_size is not None or cfg.model.vocab_size is not None,
+                                  cfg.train.collective_timeout_s)
         if resume_plan.mode == "universal":
             deepspeed = dataclasses.replace(deepspeed, filled=dict(
                 deepspeed.filled, checkpoint=dict(deepspeed.filled.get("checkpoint", {}),
@@ -109,6 +116,7 @@ def deepspeed_view(name_or_path: str, cfg, topo: Topology, shape, device_type: s
     if topo.autotp:
         filled["tensor_parallel"] = autotp_section(shape, topo.tensor,
                                                    cfg.parallel.vocab_parallel)
+    check_with_deepspeed(filled, path)
     return dsc.DeepSpeedView(path, raw, filled, batch, bf16)
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from dr_scale.errors import EXIT_FAULT
 from tests.conftest import PRETRAIN, free_port, launch, module_folder
 from tests.test_train_distributed import fp32_config, records
 
@@ -103,7 +104,6 @@ def short_run(request, reference, cache_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("damage, pattern", [
-    (lambda c: (c / "latest").write_text("step_00000099\n"), r"latest: names step_00000099, which is missing"),
     (lambda c: (c / "latest").unlink(), r"checkpoints: no checkpoint \(no 'latest' file\)"),
     (lambda c: (c / "step_00000003" / "dr_scale_state_rank1.pt").unlink(),
      r"checkpoints: no intact checkpoint: step_00000003: dr_scale_state_rank1.pt is missing"),
@@ -175,13 +175,34 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_one_before(reference, cach
     assert json.loads((ckpt / "step_00000012" / "manifest.json").read_text())["step"] == 12
 
 
+def test_a_latest_naming_a_missing_folder_resumes_from_the_newest_intact(reference, short_run,
+                                                                         cache_dir, tmp_path):
+    """A save that replaced a step's folder and was killed between its renames leaves `latest`
+    naming a folder that is gone: the resume takes the newest intact checkpoint before it and
+    says so in one line (it used to stop as a configuration error, which is never requeued)."""
+    import shutil
+
+    ds, _, _ = reference
+    run = tmp_path / "run"
+    shutil.copytree(short_run, run)
+    ckpt = run / "checkpoints"
+    (ckpt / "latest").write_text("step_00000099\n")
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "train.max_steps=4"], 2,
+                  cache_dir)
+    assert f"dr_scale: warning: {ckpt / 'step_00000099'}: not intact (latest names it, but its " \
+           "folder is gone); resuming from step_00000003" in proc.stderr
+    assert f"resumed from {ckpt / 'step_00000003'} at step 3" in proc.stdout
+    assert (ckpt / "latest").read_text() == "step_00000004\n"
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, reference, short_run,
                                                                      cache_dir, tmp_path):
     """Files limited to half a ZeRO-3 optimizer shard (RLIMIT_FSIZE: a full disk as a write
     sees it; every other file the run writes is far smaller): the step-6 save fails on both
-    ranks, each stops with one line naming its file, and the step-3 checkpoint stays the
-    latest, byte for byte."""
+    ranks, each stops with one line naming its file and the exit code of a fault (a requeue
+    may get past it; a configuration error's 2 would end a week-long job), and the step-3
+    checkpoint stays the latest, byte for byte."""
     import hashlib
     import resource
     import shutil
@@ -201,7 +222,8 @@ def test_a_save_that_cannot_be_written_stops_every_rank_in_one_line(mode, refere
                            "--resume", "train.max_steps=6", f"train.async_save={str(mode == 'async').lower()}"],
                           env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
     errors = [line for line in proc.stderr.splitlines() if "dr_scale: error:" in line]
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    # a fault met while running, not a configuration error: a scheduler may retry it
+    assert proc.returncode == EXIT_FAULT, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     for rank, line in enumerate(sorted(errors, key=lambda l: "[rank" in l)):
         assert re.search(rf"checkpoint step_00000006: \S+/zero_pp_rank_{rank}_mp_rank_00_optim_"

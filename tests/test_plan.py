@@ -19,14 +19,28 @@ ONCE = {"Topology.from_config": 1, "batch_sizes": 1, "fill": 1, "resolve_shape":
         "init_distributed": 1}
 
 
-def counted_run(out, *args, cache, ranks=1):
-    """{"code", "calls"} of a run of `ranks` rank(s) (a list of them for several)."""
+def counted_run(out, *args, cache, ranks=1, separately=False):
+    """{"code", "calls"} of a run of `ranks` rank(s) (a list of them for several, started by
+    torchrun; `separately`: each rank its own process with its launcher variables and nothing
+    else, so a rank's exit cannot take the others down before they report: for refusals, which
+    come before any rendezvous)."""
     env = {**os.environ, "DR_SCALE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_port", str(free_port())]
-    proc = subprocess.run([*launcher, str(COUNT), str(out), *map(str, args)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    if separately:
+        procs = [subprocess.Popen([sys.executable, str(COUNT), str(out), *map(str, args)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r),
+                                                 "WORLD_SIZE": str(ranks),
+                                                 "MASTER_ADDR": "127.0.0.1",
+                                                 "MASTER_PORT": str(free_port())})
+                 for r in range(ranks)]
+        stderr = "".join(p.communicate(timeout=300)[1] for p in procs)
+        proc = subprocess.CompletedProcess(args, procs[0].returncode, "", stderr)
+    else:
+        launcher = [sys.executable] if ranks == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_port", str(free_port())]
+        proc = subprocess.run([*launcher, str(COUNT), str(out), *map(str, args)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
     if ranks == 1:
         return json.loads(out.read_text()), proc
     return [json.loads(out.with_name(f"{out.name}.{r}").read_text()) for r in range(ranks)], proc
@@ -120,3 +134,21 @@ def test_a_resume_with_another_tokenizer_is_refused_by_the_plan(tmp_path, cache_
     assert f"{run / 'tokenizer.model'}: the run was trained with this tokenizer, but the " \
            "resumed config gives the tokenizer trained on the bundled corpus with " \
            "data.tokenizer_vocab_size=512; token ids would change meaning" in line
+
+
+def test_fewer_held_out_samples_than_data_parallel_ranks_are_refused(tmp_path, cache_dir):
+    """With train.eval_samples below the data-parallel size no rank had a held-out sample and
+    the held-out loss was NaN (2 ranks, eval_samples=1: {"eval_loss": NaN, "eval_tokens": 0});
+    now both ranks stop in the plan, in the same line."""
+    run = tmp_path / "run"
+    ranks, proc = counted_run(tmp_path / "eval.json", *ARGS, "--run_dir", run,
+                              "train.eval_samples=1", cache=cache_dir, ranks=2,
+                              separately=True)
+    assert [r["code"] for r in ranks] == [2, 2], proc.stderr[-3000:]
+    assert all("init_distributed" not in r["calls"] for r in ranks)
+    lines = sorted(line for line in proc.stderr.splitlines() if "dr_scale: error:" in line)
+    assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[1] == "dr_scale: error: train.eval_samples=1: fewer than the 2 data-parallel " \
+        "ranks, which evaluate an equal share each; expected at least 2 (a multiple of 2 uses " \
+        "every sample)"
+    assert lines[0].endswith(lines[1][len("dr_scale: "):]) and not run.exists()

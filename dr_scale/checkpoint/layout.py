@@ -157,6 +157,19 @@ def saved_position(tag_dir: Path) -> tuple:
     return int(state["step"]), int(state["consumed_samples"])
 
 
+def refuse_other_shape(tag_dir: Path, written_for: dict, expected: dict, unknown=()):
+    """A checkpoint of another model shape, in one line. `written_for`: its `model` entry (empty
+    in older checkpoints: nothing to compare); `unknown`: fields the caller cannot know yet (the
+    plan, the vocabulary of a tokenizer the data step trains)."""
+    if not written_for:
+        return
+    keys = [k for k in dict.fromkeys([*expected, *written_for]) if k not in unknown]
+    diff = [f"{k}={written_for.get(k)} (this run: {expected.get(k)})" for k in keys
+            if written_for.get(k) != expected.get(k)]
+    if diff:
+        raise DrScaleError(f"{tag_dir}: checkpoint of another model shape: {', '.join(diff[:4])}")
+
+
 def saved_model(tag_dir: Path) -> dict:
     """The weights' shape fields the checkpoint was written for (empty in older checkpoints)."""
     return _rank0_state(tag_dir).get("model") or {}

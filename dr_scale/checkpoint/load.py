@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from dr_scale.checkpoint.layout import (REHEARSAL, STAGING, STATE_FILE, TargetLayout, find_tag,
-                                        universal_dir)
+                                        refuse_other_shape, universal_dir)
 from dr_scale.checkpoint.universal import repair_zero3_load
 from dr_scale.errors import DrScaleError
 from dr_scale.runtime import nvme_offload
@@ -30,11 +30,7 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
         state = torch.load(state_path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
         raise DrScaleError(f"{state_path}: unreadable trainer state ({type(e).__name__})") from None
-    written_for = state.get("model")
-    if written_for and written_for != expected_model:
-        diff = [f"{k}={written_for.get(k)} (this run: {v})" for k, v in expected_model.items()
-                if written_for.get(k) != v]
-        raise DrScaleError(f"{path}: checkpoint of another model shape: {', '.join(diff[:4])}")
+    refuse_other_shape(path, state.get("model"), expected_model)
     if rank == 0:
         for leftover in (STAGING, REHEARSAL):  # of a crashed save
             shutil.rmtree(ckpt_dir / leftover, ignore_errors=True)

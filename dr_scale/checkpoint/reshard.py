@@ -30,6 +30,7 @@ from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, ranks_written,
                                        saved_zero_family, universal_dir)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
+CONVERTING = ".{tag}.tmp"  # a conversion's output until it is whole, renamed into place
 
 
 def reshard_plan(ckpt_dir: Path, tag: str, target: TargetLayout, target_nvme: bool = False,
@@ -203,7 +204,7 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target: TargetLayout,
     failed = out.parent / FAILED.format(tag=tag)
     failed.unlink(missing_ok=True)
     workers = workers or default_workers(ckpt_dir / tag)
-    tmp = out.parent / f".{tag}.tmp"
+    tmp = out.parent / CONVERTING.format(tag=tag)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         ds_to_universal(ckpt_dir / tag, tmp, workers, show_progress)
@@ -262,14 +263,17 @@ def ds_to_universal(tag_dir: Path, out: Path, workers: int, show_progress: bool)
 def wait_for_universal(ckpt_dir: Path, tag: str, target: TargetLayout, stall_s: int,
                        poll_s: float = 0.5):
     """Another rank converts (before any process group exists): wait for its output; give up
-    with its error line, or when the conversion has written nothing for `stall_s` seconds."""
+    with its error line, or when the conversion has written nothing for `stall_s` seconds. An
+    error line older than this process is an earlier job's (rank 0 removes it when it starts
+    converting, maybe after this rank looked): it stops nothing."""
     out = universal_dir(ckpt_dir, target)
     failed = out / FAILED.format(tag=tag)
+    started = process_start_time()
     last_change, last_size = time.monotonic(), -1
     while not universal_ready(ckpt_dir, tag, target):
-        if failed.is_file():
+        if _written_since(failed, started):
             raise DrScaleError(failed.read_text().strip())
-        size = _bytes_under(out / f".{tag}.tmp")
+        size = _bytes_under(out / CONVERTING.format(tag=tag))
         if size != last_size:
             last_change, last_size = time.monotonic(), size
         elif time.monotonic() - last_change > stall_s:
@@ -279,6 +283,35 @@ def wait_for_universal(ckpt_dir: Path, tag: str, target: TargetLayout, stall_s: 
                 f"reshard --run_dir {Path(ckpt_dir).parent} --ranks {target.world} "
                 f"--zero_stage {target.stage}`, then resume")
         time.sleep(poll_s)
+
+
+def prune_leftovers(ckpt_dir: Path) -> list:
+    """Remove what killed conversions left under checkpoints/universal/ (a whole model with its
+    optimizer state each) and earlier jobs' error lines; by the one process that converts, before
+    it does. Returns what it removed."""
+    universal = Path(ckpt_dir) / "universal"
+    found = [*universal.glob("*/" + CONVERTING.format(tag="*")),
+             *universal.glob("*/" + FAILED.format(tag="*"))]
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
+
+
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
 
 
 def _bytes_under(folder: Path) -> int:

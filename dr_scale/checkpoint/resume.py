@@ -11,10 +11,11 @@ from dr_scale.runtime.ranks import global_rank, warn
 from dr_scale.config import ds_config as dsc
 from dr_scale.errors import DrScaleError
 from dr_scale.checkpoint import manifest
-from dr_scale.checkpoint.layout import (TargetLayout, complete_tags, find_tag, saved_position,
-                                        step_of)
-from dr_scale.checkpoint.reshard import (convert_to_universal, reshard_plan, universal_ready,
-                                    wait_for_universal)
+from dr_scale.checkpoint.layout import (LATEST, TargetLayout, complete_tags, find_tag,
+                                        latest_tag, refuse_other_shape, saved_model,
+                                        saved_position, step_of)
+from dr_scale.checkpoint.reshard import (convert_to_universal, prune_leftovers, reshard_plan,
+                                         universal_ready, wait_for_universal)
 
 # What marks a folder as a run folder (--resume auto starts fresh only in one of these or none)
 RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json")
@@ -69,6 +70,8 @@ def prepare_files(plan):
     the conversion, on the file system."""
     if plan.fresh_over_old and global_rank() == 0:
         shutil.rmtree(plan.run_dir / "checkpoints", ignore_errors=True)
+    if plan.resume is not None and global_rank() == 0:  # the one process that converts
+        prune_leftovers(plan.resume.ckpt_dir)
     if plan.resume is not None:
         convert_before_group(plan.resume, plan.cfg.train.collective_timeout_s)
 
@@ -85,10 +88,14 @@ class ResumePlan:
     target: TargetLayout     # the resumed run's layout (its universal form is made for it)
 
 
-def plan_resume(run_dir: Path, topo, deepspeed, timeout_s: int = 600) -> ResumePlan:
-    """`deepspeed`: the plan's config/ds_config.DeepSpeedView."""
+def plan_resume(run_dir: Path, topo, deepspeed, signature: dict, vocab_known: bool,
+                timeout_s: int = 600) -> ResumePlan:
+    """`deepspeed`: the plan's config/ds_config.DeepSpeedView; `signature`: the config's
+    ModelShape.weights_signature(), its vocabulary the run's where `vocab_known`."""
     ckpt_dir = run_dir / "checkpoints"
     tag = newest_intact(ckpt_dir, timeout_s)
+    refuse_other_shape(ckpt_dir / tag, saved_model(ckpt_dir / tag), signature,
+                       unknown=() if vocab_known else ("vocab_size",))
     target = TargetLayout.of(topo, deepspeed.stage)
     mode = reshard_plan(ckpt_dir, tag, target,
                         target_nvme="offload_optimizer" in deepspeed.nvme_sections,
@@ -99,13 +106,17 @@ def plan_resume(run_dir: Path, topo, deepspeed, timeout_s: int = 600) -> ResumeP
 
 def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
     """The checkpoint to resume from: the latest, or, when its manifest shows it incomplete or
-    damaged, the newest one before it that is intact (rank 0 says which it skipped and why, one
-    line each). Sizes are compared by every rank, checksums by global rank 0 (manifest.py); every
+    damaged, or its folder is gone (a save that replaced it was killed between its renames),
+    the newest one before it that is intact (rank 0 says which it skipped and why, one line
+    each). Sizes are compared by every rank, checksums by global rank 0 (manifest.py); every
     rank walks the same list in the same order, so all arrive at the same checkpoint."""
-    latest = find_tag(ckpt_dir)
+    latest = latest_tag(ckpt_dir)
+    if latest is None:
+        find_tag(ckpt_dir)  # its one line: no checkpoint at all
     rank0 = global_rank() == 0
-    candidates = [t for t in reversed(complete_tags(ckpt_dir)) if step_of(t) <= step_of(latest)]
-    skipped = []
+    tags = complete_tags(ckpt_dir)
+    candidates = [t for t in reversed(tags) if step_of(t) <= step_of(latest)]
+    skipped = [] if latest in tags else [(latest, f"{LATEST} names it, but its folder is gone")]
     for tag in candidates:
         fault = (manifest.verify(ckpt_dir / tag) if rank0
                  else manifest.wait_for_verdict(ckpt_dir / tag, timeout_s))

@@ -299,8 +299,11 @@ class CheckpointWriter:
                            *position, self.layout)  # the last file of the checkpoint
             for d in sorted({f.parent for f in files} | {staging / tag}):
                 fsync_dir(d)  # the new names in the folder, where this rank made them
-            if final.exists():  # the same step saved again after a resume: replace it whole
-                shutil.rmtree(final)
+            # the same step saved again after a rollback: the old folder and every universal
+            # form converted from it are renamed aside first (one rename each: no moment where
+            # the tag names a half-deleted folder, no later load of the old timeline's
+            # conversion), then deleted behind the loop
+            replaced = set_aside(self.ckpt_dir, tag)
             os.rename(staging / tag, final)
             for script in staging.glob("*.py"):  # DeepSpeed's zero_to_fp32.py and friends
                 os.replace(script, self.ckpt_dir / script.name)
@@ -311,10 +314,12 @@ class CheckpointWriter:
             fsync_dir(self.ckpt_dir)
             write_atomic(self.ckpt_dir / LATEST, tag + "\n")
         comm.barrier(group=group)  # the checkpoint is complete for every rank
-        if self.rank == 0 and self.keep_last > 0:
-            old = [t for t in complete_tags(self.ckpt_dir)[:-self.keep_last] if t != tag]
-            self._delete([*set_aside_earlier(self.ckpt_dir),
-                          *(folder for t in old for folder in set_aside(self.ckpt_dir, t))])
+        if self.rank == 0:
+            old = [t for t in complete_tags(self.ckpt_dir)[:-self.keep_last] if t != tag] \
+                if self.keep_last > 0 else []
+            earlier = set_aside_earlier(self.ckpt_dir)  # those just replaced among them
+            self._delete(list(dict.fromkeys(
+                [*replaced, *earlier, *(f for t in old for f in set_aside(self.ckpt_dir, t))])))
         return final
 
     def _delete(self, folders: List[Path]):

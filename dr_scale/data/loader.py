@@ -139,6 +139,15 @@ def train_loader(stream: SampleStream, batch_sizes: dict, dp_size: int, dp_rank:
                                        persistent_workers=num_workers > 0)
 
 
+def check_eval_share(eval_samples: int, dp_size: int):
+    """Every data-parallel rank evaluates an equal share of the held-out samples (eval_batches),
+    so fewer samples than ranks would leave none: a NaN held-out loss (the plan refuses it)."""
+    if eval_samples < dp_size:
+        raise DrScaleError(f"train.eval_samples={eval_samples}: fewer than the {dp_size} "
+                           f"data-parallel ranks, which evaluate an equal share each; expected "
+                           f"at least {dp_size} (a multiple of {dp_size} uses every sample)")
+
+
 def eval_batches(stream: SampleStream, micro: int, dp_size: int, dp_rank: int):
     """The same held-out samples every time, split round-robin over data-parallel ranks. Every
     rank gets as many (ZeRO-3 gathers parameters collectively in each forward)."""

@@ -10,6 +10,28 @@ from dr_scale.kernels import measured, ops
 from dr_scale.kernels.registry import candidates, select, unavailable
 
 
+def check_kernels(shape, cfg, device_type: str, precision: str):
+    """The plan's refusals of `model.kernels` and `model.attention`: an unknown op, and a named
+    implementation unknown or unable to run here (auto is settled later, by select_kernels)."""
+    dtype = dsc.torch_dtype(precision)
+    forced = {op: name for op, name in cfg.model.kernels.items() if name != "auto"}
+    unknown = sorted(set(cfg.model.kernels) - set(ops.OPS))
+    if unknown:
+        raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
+    facts = {"per_token_positions": cfg.data.reset_positions}
+    for op, name in forced.items():
+        try:
+            select(op, device_type, dtype, force=name, **facts)
+        except DrScaleError as e:
+            raise DrScaleError(f"model.{e}") from None
+    if shape.attention != "auto":
+        try:
+            select("attention", device_type, dtype, force=shape.attention,
+                   head_dim=shape.head_dim, dropout=shape.dropout)
+        except DrScaleError as e:
+            raise DrScaleError(f"model.attention: {str(e).split(': ', 1)[-1]}") from None
+
+
 def select_kernels(shape, cfg, device_type: str, precision: str, topo):
     """Settle `model.attention` and every op's implementation (`model.kernels`) for this process;
     returns the shape with a concrete attention name and the line that says the choices. `auto`
@@ -18,10 +40,7 @@ def select_kernels(shape, cfg, device_type: str, precision: str, topo):
     CPU, the best by priority. Positions per token (data.reset_positions) rule out a rotary
     kernel that takes one table."""
     dtype = dsc.torch_dtype(precision)
-    forced = dict(cfg.model.kernels)
-    unknown = sorted(set(forced) - set(ops.OPS))
-    if unknown:
-        raise DrScaleError(f"model.kernels.{unknown[0]}: unknown op; known: {', '.join(ops.OPS)}")
+    forced = dict(cfg.model.kernels)  # names checked by the plan (check_kernels)
     facts = {"per_token_positions": cfg.data.reset_positions}
     unused = () if shape.moe is not None else ("experts",)
     attention_facts = {"head_dim": shape.head_dim, "dropout": shape.dropout}

@@ -64,6 +64,36 @@ def _dotted_path(ds: dict, loc) -> str:
     return search(ds, "") or ".".join(loc)
 
 
+def check_with_deepspeed(ds: dict, ds_path):
+    """DeepSpeed's own validation of the filled config (its pydantic sections, its sanity
+    checks), in the plan. Its batch check counts the process group's world (a world of one
+    before any exists): the global batch is left out, for DeepSpeed to derive from the
+    micro-batch and accumulation (the plan has checked it against the data-parallel size)."""
+    import logging
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # its "world_size = 1" note would be every rank's line
+    try:
+        DeepSpeedConfig({k: v for k, v in ds.items() if k != "train_batch_size"})
+    except (ValueError, AssertionError) as e:
+        raise _as_one_line(e, ds, ds_path) from None
+    finally:
+        logger.setLevel(level)
+
+
+def _as_one_line(e: Exception, ds: dict, ds_path) -> DrScaleError:
+    errors = getattr(e, "errors", None)  # pydantic's ValidationError is a ValueError
+    if callable(errors) and errors():
+        first = errors()[0]
+        where = _dotted_path(ds, [str(x) for x in first.get("loc", ())])
+        return DrScaleError(f"{ds_path}: {where}: {first.get('msg')} (DeepSpeed)")
+    return DrScaleError(f"{ds_path}: DeepSpeed rejected the config: "
+                        f"{(str(e).splitlines() or [type(e).__name__])[0]}")
+
+
 def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None):
     """The DeepSpeed engine around `model` (plain or a PipelineModule)."""
     import deepspeed
@@ -75,12 +105,6 @@ def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None):
             engine, _, _, _ = deepspeed.initialize(
                 model=model, model_parameters=groups if optimizer is None else None,
                 optimizer=optimizer, config=ds, lr_scheduler=scheduler, mpu=mpu)
-    except ValueError as e:  # pydantic's ValidationError is a ValueError
-        errors = getattr(e, "errors", None)
-        if callable(errors) and errors():
-            first = errors()[0]
-            where = _dotted_path(ds, [str(x) for x in first.get("loc", ())])
-            raise DrScaleError(f"{ds_path}: {where}: {first.get('msg')} (DeepSpeed)") from None
-        raise DrScaleError(f"{ds_path}: DeepSpeed rejected the config: "
-                           f"{str(e).splitlines()[0]}") from None
+    except ValueError as e:  # a config the plan's check_with_deepspeed let through
+        raise _as_one_line(e, ds, ds_path) from None
     return engine
