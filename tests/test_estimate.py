@@ -243,3 +243,19 @@ def test_expert_parallelism_counts_the_experts_a_rank_holds():
     assert dense["parameters"] == pytest.approx(2 * whole, rel=1e-3)
     assert split["parameters"] == pytest.approx(2 * held, rel=1e-3)
     assert split["optimizer_states"] == pytest.approx(dense["optimizer_states"], rel=1e-9)
+
+
+@pytest.mark.parametrize("config, ranks", [("llama_7b", 8), ("llama_7b", 64), ("llama_70b", 512)])
+def test_the_large_configs_fit_80_gb_gpus_at_their_documented_sizes(config, ranks, cache_dir,
+                                                                    monkeypatch):
+    """configs/llama_7b.yaml and llama_70b.yaml as their comments ship them, counted as the
+    launcher's memory check counts them, fit an 80 GB GPU (79.2 GiB usable on an H100 SXM) with
+    room for the allocator's fragmentation; the bundled tokenizer stands for the user's, with a
+    Llama tokenizer's 32,000 ids."""
+    from dr_scale.data.corpus import bundled_data
+
+    tokenizer, _ = bundled_data(cache_dir, 4096)
+    monkeypatch.setenv("DATA_ROOT", str(tokenizer.parent))
+    sizes = estimate("zero3", ranks, "--config", str(ROOT / "configs" / f"{config}.yaml"),
+                     "model.vocab_size=32000", device="cuda")
+    assert sizes["peak"] < 0.9 * 79.2 * 2**30, sizes

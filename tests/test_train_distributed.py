@@ -261,3 +261,19 @@ def test_accumulation_and_data_parallel_split_give_the_same_losses(cache_dir, tm
     for name in ("1x4x2", "2x4"):
         assert losses[name] == pytest.approx(losses["1x8"], rel=1e-5), name
     assert losses["1x8"][-1] < losses["1x8"][0]
+
+
+def test_saves_by_time_come_at_one_step_on_every_rank(cache_dir, tmp_path):
+    """train.save_interval_minutes: a save once that many minutes have passed on any rank's
+    clock, at the same step on every rank (one flag in the per-step agreement), besides the
+    steps' interval (here never: 1000) and the last step. 0.0001 minutes: every step."""
+    run = tmp_path / "run"
+    proc = launch(["--ds_config", "zero1", "--run_dir", run, "data.seq_length=64",
+                   "train.max_steps=4", "train.save_interval=1000",
+                   "train.save_interval_minutes=0.0001", "train.keep_checkpoints=0",
+                   "train.eval_at_start=false", "train.eval_samples=4", "logging.plot=false"],
+                  2, cache_dir)
+    saved = [int(s) for s in re.findall(r"saved checkpoint \S+/step_(\d{8})", proc.stdout)]
+    assert saved == [1, 2, 3, 4], proc.stdout[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == \
+        [f"step_{s:08d}" for s in (1, 2, 3, 4)]

@@ -98,6 +98,10 @@ class TrainConfig(Section):
     eval_at_start: bool = field(True, help="evaluate before the first step (a baseline point)")
     eval_samples: int = field(64, min=1, help="held-out samples per evaluation")
     save_interval: int = field(200, min=1)
+    save_interval_minutes: Optional[float] = field(
+        None, min=0.0, help="also save once this many minutes have passed since the last save "
+        "(or the start): the work a failure loses, bounded in time whatever a step takes; "
+        "null: by steps only")
     keep_checkpoints: int = field(3, min=0, help="keep the newest K checkpoints; 0 keeps all")
     async_save: bool = field(False, help="write checkpoints in the background while training "
                              "goes on")

@@ -47,6 +47,7 @@ class Trainer:
         self.stop = None     # the step this invocation ends at (set by fit)
         self.step = 0  # optimizer steps done (the schedule, max_steps and intervals count these)
         self.consumed_samples = 0  # the data position: samples read so far, on all ranks
+        self._last_save = time.monotonic()  # (train.save_interval_minutes count from here)
         self.documents = DocumentBoundaries.of(cfg.data, sources.tokenizer)
         self.steps = step_runner.for_topology(  # plain or pipeline engine
             topology, engine, self.device, batch_sizes["accum"], self.documents,
@@ -117,7 +118,13 @@ class Trainer:
         self.step = int(saved["step"])
         self.consumed_samples = int(saved["consumed_samples"])
 
+    def _save_due(self) -> bool:
+        """train.save_interval_minutes have passed on this rank's clock since the last save."""
+        minutes = self.cfg.train.save_interval_minutes
+        return minutes is not None and time.monotonic() - self._last_save >= 60 * minutes
+
     def save_checkpoint(self):
+        self._last_save = time.monotonic()
         with hangs.doing(f"checkpoint save at step {self.step}"):
             self._saved(self.writer.wait())  # the one in flight, if any, first
             done = self.writer.save(self.step, self.saved.state_dict())
@@ -216,10 +223,15 @@ class Trainer:
                 with hangs.doing(f"step {self.step} preparing the asynchronous save's buffers"):
                     self.writer.prepare_snapshot(self.saved.state_dict)
             hangs.now(f"step {self.step} stop-signal agreement")
-            # every rank, every step: they stop at the same one, and see a save finish at one
-            signal_name, written = signals.agreed(idle_here=self.writer.idle())
+            # every rank, every step: they stop at the same one, see a save finish at one, and
+            # save by time at one
+            signal_name, written, save_due = signals.agreed(
+                idle_here=self.writer.idle(), save_due_here=not saved and self._save_due())
             if written:
                 self._saved(self.writer.wait())
+            if save_due:
+                self.save_checkpoint()
+                saved, window_start = True, time.perf_counter()
             if signal_name and self.step < stop:
                 if not saved:
                     self.save_checkpoint()
