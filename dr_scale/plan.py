@@ -5,8 +5,9 @@ in checkpoint/resume.py, then the process group). Each step of the run after it 
 takes the plan and adds only what needs ranks; nothing here is computed again.
 
 What the plan cannot hold is what the ranks make: the run folder's default name (one timestamp
-for all ranks), the tokenizer of the bundled corpus (built by each node's first rank), and so the
-vocabulary (`RunPlan.shape` has the config's; the data step settles it).
+for all ranks), the tokenizer of the bundled corpus (built by each node's first rank), and so its
+vocabulary (`RunPlan.shape` has a named tokenizer's, else the config's; the data step settles
+it).
 """
 import dataclasses
 from dataclasses import dataclass
