@@ -2,6 +2,7 @@
 nothing already written damaged."""
 import dataclasses
 import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -44,8 +45,10 @@ def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
     1.3 TiB a rank in bf16 (16-bit weights and gradients beside fp32 master weights and moments)
     or 1.6 TiB in fp32 (a CPU without native bf16: 32-bit weights and gradients, DeepSpeed's
     master clone and flattened gradient, Adam's moments), and nothing fits one rank
-    here; llama_7b is told the cheapest change (enough ranks under ZeRO-3; how many depends on
-    this machine's free memory). Nothing is written."""
+    here; llama_7b in bf16 (asked for explicitly, so the answer is the same on every CPU kind)
+    is told the cheapest change: more nodes like this one under ZeRO-3 (on a CPU more ranks on
+    this node would share its memory; how many nodes depends on its free memory). Nothing is
+    written."""
     from dr_scale.runtime.hardware import cpu_bf16_support
 
     proc = launch(["--run_dir", tmp_path / "a", "--ds_config", "zero1", "model.preset=llama_70b"],
@@ -56,12 +59,15 @@ def test_a_run_that_cannot_fit_is_refused_before_building(cache_dir, tmp_path):
                      r"x1\.6 for the freed pages glibc keeps without train\.release_host_memory\) "
                      r"exceeds [\d.]+ GiB a rank \([\d.]+ GiB of host memory available, shared by "
                      r"1 rank\(s\) on this node\); none of ZeRO-3, checkpointing, offload or 64x "
-                     r"the ranks fits; --skip_memory_check starts anyway", line), line
-    proc = launch(["--run_dir", tmp_path / "b", "--ds_config", "zero1", "model.preset=llama_7b",
+                     r"the nodes fits; --skip_memory_check starts anyway", line), line
+    bf16 = tmp_path / "zero1_bf16.json"
+    ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    bf16.write_text(json.dumps({**ds, "bf16": {"enabled": True}}))
+    proc = launch(["--run_dir", tmp_path / "b", "--ds_config", bf16, "model.preset=llama_7b",
                    "data.seq_length=1024", "train.micro_batch_size=1"], 1, cache_dir,
                   launcher="python", check=False, timeout=120)
-    assert re.search(r"cheapest change that fits: \d+ ranks with ZeRO-3 \([\d.]+ GiB a rank\)",
-                     errors_of(proc))
+    assert re.search(r"cheapest change that fits: (\d+)x the nodes \((\d+) ranks, as many a node "
+                     r"as now\) with ZeRO-3 \([\d.]+ GiB a rank\)", errors_of(proc))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -100,10 +100,15 @@ def refuse_if_too_big(cfg, ds: dict, topology: Topology, device_type: str, sourc
                   dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")))
     fixes.append(("optimizer state on NVMe (--ds_config zero3_nvme)",
                   dict(zero_stage=3, offload_optimizer="nvme", sub_group_size=2e7)))
+    # more of them: GPUs each bring their memory; CPU ranks share their node's, so there more
+    # ranks on this node leave each less, and the change that helps is more nodes like it
+    more_of = "nodes" if device_type == "cpu" else "ranks"
     for factor in (2, 4, 8, 16, 32, 64):
         more = topology.with_world(topology.world * factor)
-        fixes.append((f"{more.world} ranks with ZeRO-3", dict(zero_stage=3, topology=more)))
-    cheapest = "none of ZeRO-3, checkpointing, offload or 64x the ranks fits"
+        name = (f"{factor}x the nodes ({more.world} ranks, as many a node as now) with ZeRO-3"
+                if more_of == "nodes" else f"{more.world} ranks with ZeRO-3")
+        fixes.append((name, dict(zero_stage=3, topology=more)))
+    cheapest = f"none of ZeRO-3, checkpointing, offload or 64x the {more_of} fits"
     for name, change in fixes:
         fix_margin = change.pop("margin", margin)
         fits = estimate(shape, dataclasses.replace(inputs, **change))
