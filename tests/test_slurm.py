@@ -149,8 +149,9 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
     """One job, two ends: the time limit's signal (--signal=USR1@..., sent now with scancel)
     stops the tasks with a checkpoint and status 75, and the script requeues the job; in the
     next attempt a task is SIGKILLed, the survivor ends (its collective fails; srun's --wait
-    would end it otherwise), and the script requeues the job as failure 1 of 5, which resumes
-    from the newest complete checkpoint. The losses: the uninterrupted run's, bitwise. (`scontrol
+    would end it otherwise), and the script requeues the job as failure 1 of 5 since its
+    checkpoint (five failures at an earlier checkpoint do not count: progress resets the
+    budget), which resumes from the newest complete checkpoint. The losses: the uninterrupted run's, bitwise. (`scontrol
     requeue` from outside, SIGTERM to the job, was measured to end the same way; SIGTERM's stop
     and resume: tests/test_crash_resume.py.)"""
     ds, expected, _ = reference  # the uninterrupted run the job must equal, bitwise
@@ -170,6 +171,11 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
                     " ".join(proc.parent().cmdline()):  # not a data-loader worker
                 ranks[proc.environ()["RANK"]] = proc
     assert sorted(ranks) == ["0", "1"], ranks
+    # five failures met at an earlier checkpoint (the budget's whole) before this one: progress
+    # since then starts the count anew, so this job's failure is the first
+    with open(run / "slurm_failures", "a") as f:
+        f.writelines(f"job 1 exit 74 2026-12-0{n}T00:00:00+00:00 latest step_00000000\n"
+                     for n in range(1, 6))
     killed_at = time.time()
     ranks["1"].send_signal(signal.SIGKILL)
     survivor_gone = psutil.wait_procs([ranks["0"]], timeout=120)[0]
@@ -184,9 +190,12 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
     assert f"0: slurm: job {job}; a save writes" in attempts[0] and "given 600 s" in text
     assert re.search(rf"^0: .*resumed from .*step_0*{stopped} at step {stopped} ", attempts[1],
                      re.M), attempts[1][-3000:]
-    assert "failure 1 of 5 allowed: requeued" in attempts[1]
+    assert re.search(r"failure 1 of 5 allowed since checkpoint step_\d{8}: requeued",
+                     attempts[1]), attempts[1][-3000:]
     assert re.search(r"^1: ", text, re.M)
-    assert len((run / "slurm_failures").read_text().splitlines()) == 1  # the stop spent none
+    failures = (run / "slurm_failures").read_text().splitlines()
+    assert len(failures) == 6 and re.search(rf"^job {job} exit \d+ .* latest step_\d{{8}}$",
+                                            failures[-1])  # the stop spent none
     resumed = int(re.search(r"resumed from .*step_(\d+)", attempts[2]).group(1))
     assert resumed in (6, 9)  # the newest complete checkpoint when step 8 or 9 ran
 
