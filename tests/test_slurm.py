@@ -200,6 +200,27 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
     assert resumed in (6, 9)  # the newest complete checkpoint when step 8 or 9 ran
 
 
+def test_a_preemption_saves_and_requeues(slurm, reference, cache_dir, tmp_path):
+    """A preemption as SLURM sends it: SIGTERM to every process of the job, the batch script's
+    shell included (SIGKILL follows GraceTime later). The script, which that SIGTERM used to end
+    before its requeue, traps it and requeues the job; the next attempt resumes from the last
+    checkpoint and ends as the uninterrupted run, bitwise. srun ends its step on the SIGTERM it
+    gets, so the tasks are killed before they can save: the attempt counts as a failure (what
+    is measured here, and what the issue's preemption work has to change)."""
+    ds, expected, _ = reference
+    run = tmp_path / "run"
+    job = submit(slurm, cache_dir, ds, run)
+    log = tmp_path / f"slurm-{job}.out"
+    wait_for("step 4", lambda: 4 in logged_steps(run), 300, log)
+    subprocess.run(["scancel", "--signal=TERM", "--full", job], check=True, env=slurm)
+    text = finished(slurm, job, run, expected)
+    attempts = re.split(r"^dr_scale: job \d+ attempt \d+ on .*$", text, flags=re.M)[1:]
+    assert len(attempts) == 2, text[-3000:]
+    assert "dr_scale: SIGTERM to the batch script (a preemption?)" in attempts[0]
+    assert re.search(r"failure 1 of 5 allowed since checkpoint step_\d{8}: requeued",
+                     attempts[0]), attempts[0][-3000:]
+
+
 def test_the_stop_signal_lead_is_told_and_checked():
     """The script's --signal lead and the DR_SCALE_SIGNAL_LEAD_S it tells the launcher agree;
     the launcher's estimate for a 70B model (bf16 weights, Adam) on 8 and on 2 nodes at
