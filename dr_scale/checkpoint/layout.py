@@ -211,10 +211,6 @@ class TargetLayout:
     def pipelined(self) -> bool:
         return self.pipeline > 1
 
-    def describe(self) -> str:
-        return (f"{self.world} rank(s) at ZeRO-{self.stage}, TP {self.tensor} x PP "
-                f"{self.pipeline}" + (f" (EP {self.expert})" if self.expert > 1 else ""))
-
 
 def universal_dir(ckpt_dir: Path, target: TargetLayout) -> Path:
     """Where the universal form for a target layout lives (ZeRO-3 needs a file per rank; a

@@ -12,7 +12,7 @@ several GB/s into pages already mapped (and pinning memory costs more than copyi
 asynchronous save holds one checkpoint's worth of host memory per rank for the run, as torch
 DCP's pinned-memory staging does; train.async_snapshot=false copies nothing. The first snapshot's
 buffers are mapped ahead in a thread (`SnapshotBuffers.prepare`, sized by a rehearsal of the save
-that writes nothing: checkpoint_writer.py). Fresh CPU buffers come from one anonymous mapping
+that writes nothing: writer.py). Fresh CPU buffers come from one anonymous mapping
 whose pages are mapped in a few calls, not one fault at a time (MAP_POPULATE on the loop: 0.3-1.9
 s a GiB on this project's virtual machines, against 1.8-2.7 s faulting them one by one, as fast
 as the host has backed those pages before); torch's allocator has no such switch.

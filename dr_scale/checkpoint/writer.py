@@ -2,7 +2,7 @@
 all ranks confirm, old checkpoints deleted in a thread of rank 0's; synchronous, or
 asynchronous with the files written behind the next step's compute.
 
-The layout and its crash guarantee are checkpoint.py's: files go to checkpoints/.incoming/<tag>/,
+The layout and its crash guarantee are layout.py's: files go to checkpoints/.incoming/<tag>/,
 rank 0 renames the folder to checkpoints/<tag>/ and only then names it in checkpoints/latest. A
 crash at any moment before that leaves the previous checkpoint the latest one.
 
