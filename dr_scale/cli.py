@@ -66,7 +66,7 @@ def cmd_export(a):
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise DrScaleError(f"{out}: exists and is not empty; choose a new --out")
-    fault = manifest.verify(ckpt_dir / tag)  # sizes, then checksums (or the kept verdict)
+    fault = manifest.verify(ckpt_dir / tag)  # sizes, then every checksum
     if fault:
         raise DrScaleError(f"{ckpt_dir / tag}: not intact ({fault}); export another with "
                            "--step N (`dr-scale verify` lists them)")
@@ -191,7 +191,7 @@ def cmd_verify(a):
     bad = 0
     for tag in tqdm(tags, desc="verify", unit="checkpoint", leave=False):
         t0 = time.time()
-        fault = manifest.verify(ckpt_dir / tag, a.workers, reuse_verdict=False)
+        fault = manifest.verify(ckpt_dir / tag, a.workers)
         body = manifest.read(ckpt_dir / tag) if fault is None else None
         size = sum(e["bytes"] for e in body["files"].values()) if body else 0
         state = ("intact" if body else "no manifest (written before manifests)") \

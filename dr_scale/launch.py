@@ -3,7 +3,8 @@
 
 The run is a plan, then steps: check (dr_scale/plan.py: everything a config can get wrong,
 before any process group, writing nothing) -> prepare_files (what writes before the group: a
-fresh start's leftovers cleared, a checkpoint converted) -> start_group -> prepare_data -> build
+fresh start's leftovers cleared) -> start_group -> agree_on_checkpoint (a resume's checkpoint
+checked by all ranks, converted where the layout changed) -> prepare_data -> build
 -> parallelize -> engine -> trainer. Each step takes the plan and adds what needs ranks.
 """
 import os
@@ -30,6 +31,7 @@ from dr_scale.train.engine import initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.expert_load_plot import plot_expert_load
 from dr_scale.train.plot import plot_curves
+from dr_scale.checkpoint.agree import agree_on_checkpoint
 from dr_scale.checkpoint.resume import prepare_files
 from dr_scale.train.schedule import build_scheduler
 from dr_scale.train.start import run_facts, start_lines, write_run_snapshot
@@ -40,6 +42,7 @@ def run(plan: RunPlan):
     warm_imports.start()  # the engine's imports, beside the rendezvous, data and build
     prepare_files(plan)                                                               # files
     group = start_group(plan)                                                         # ranks
+    plan = agree_on_checkpoint(plan, group)  # each rank checks its share, one collective
     deepspeed, batch = plan.deepspeed, plan.deepspeed.batch
     offload_note = nvme_offload.prepare_dirs(group.ds, deepspeed.source)
     if "offload_param" in deepspeed.nvme_sections:

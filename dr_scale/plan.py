@@ -91,8 +91,7 @@ def check(args) -> RunPlan:
     resume_plan = None
     if resume:
         resume_plan = plan_resume(run_dir, topo, deepspeed, shape.weights_signature(),
-                                  data.vocab_size is not None or cfg.model.vocab_size is not None,
-                                  cfg.train.collective_timeout_s)
+                                  data.vocab_size is not None or cfg.model.vocab_size is not None)
         if resume_plan.mode == "universal":
             deepspeed = dataclasses.replace(deepspeed, filled=dict(
                 deepspeed.filled, checkpoint=dict(deepspeed.filled.get("checkpoint", {}),

@@ -177,8 +177,13 @@ def saved_model(tag_dir: Path) -> dict:
 
 def _rank0_state(tag_dir: Path) -> dict:
     # mmap: only the small entries asked for are read, not the RNG and callback (EMA) tensors
-    return torch.load(Path(tag_dir) / STATE_FILE.format(rank=0), map_location="cpu",
-                      weights_only=True, mmap=True)
+    path = Path(tag_dir) / STATE_FILE.format(rank=0)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise DrScaleError(f"{path}: missing") from None
+    except Exception as e:  # noqa: BLE001 - a torn or damaged file fails in many ways
+        raise DrScaleError(f"{path}: unreadable ({type(e).__name__})") from None
 
 
 def saved_topology(tag_dir: Path) -> Topology:

@@ -1,19 +1,21 @@
-"""A checkpoint's manifest, and the check that the checkpoint to resume from is whole.
+"""A checkpoint's manifest, and the checks that a checkpoint is whole.
 
 Every rank checksums the files it wrote, after its fsync, while they are still in the page cache;
 rank 0 gathers the lists and writes `manifest.json` (files, sizes, CRC-32s, layout, step,
-samples) as the last file of the staging folder, before the folder is renamed into place. So a
-checkpoint folder without its manifest is one written before manifests existed, never a partial
-one.
+samples) as the last file of the staging folder, before the folder is renamed into place. So the
+verdict of the save is part of the published checkpoint, and a checkpoint folder without its
+manifest is one written before manifests existed, never a partial one.
 
-Before a resume (before any process group), every rank walks the checkpoints newest first and
-takes the first that is intact: each rank compares the sizes itself (a stat per file), and global
-rank 0 compares the checksums, reading the files in parallel threads, and leaves its verdict
-beside the manifest (`verified.json`), which the other ranks wait for. The verdict is kept: a
-requeued job does not read a verified checkpoint again. CRC-32 rather than a cryptographic hash:
-it guards against torn and damaged files, not against tampering, and zlib's runs at 2.2 GiB/s on
-one core of this project's CPUs (SHA-256: 1.4), releasing the GIL, so threads overlap; reading
-a rank's just-written files back and checksumming them ran at 1.0 GB/s.
+A resume checks the files again, in parallel: each rank its share (`share`: the files balanced
+by bytes over the ranks, the same split on every rank), sizes then checksums, and the ranks
+agree in one collective (checkpoint/agree.py). No rank reads another's files, so the time falls
+with the number of ranks for a checkpoint of a given size, and nothing waits on a fixed
+deadline for one reader. A checkpoint found damaged gets a note (`damaged.json`) so no later
+attempt plans from it again. `verify` (one process, threads) serves `dr-scale verify` and
+export. CRC-32 rather than a cryptographic hash: it guards against torn and damaged files, not
+against tampering, and zlib's runs at 2.2 GiB/s on one core of this project's CPUs (SHA-256:
+1.4), releasing the GIL, so threads overlap; reading a rank's just-written files back and
+checksumming them ran at 1.0 GB/s.
 """
 import json
 import os
@@ -23,11 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from dr_scale.errors import DrScaleError
 from dr_scale.checkpoint.layout import write_atomic
 
 MANIFEST = "manifest.json"
-VERDICT = "verified.json"
+DAMAGED = "damaged.json"  # the fault a resume found, kept: later attempts skip it
 FORMAT = 1
 _BLOCK = 8 << 20
 
@@ -73,8 +74,9 @@ class _Damaged(Exception):
     """Why a checkpoint is not intact, in a few words."""
 
 
-def sizes_fault(tag_dir: Path, body: dict) -> Optional[str]:
-    for name, entry in body["files"].items():
+def sizes_fault(tag_dir: Path, body: dict, names=None) -> Optional[str]:
+    for name in sorted(body["files"]) if names is None else names:
+        entry = body["files"][name]
         try:
             size = (Path(tag_dir) / name).stat().st_size
         except FileNotFoundError:
@@ -84,8 +86,9 @@ def sizes_fault(tag_dir: Path, body: dict) -> Optional[str]:
     return None
 
 
-def checksum_fault(tag_dir: Path, body: dict, workers: int) -> Optional[str]:
-    names = sorted(body["files"], key=lambda n: -body["files"][n]["bytes"])  # largest first
+def checksum_fault(tag_dir: Path, body: dict, workers: int, names=None) -> Optional[str]:
+    names = sorted(body["files"] if names is None else names,
+                   key=lambda n: -body["files"][n]["bytes"])  # largest first
     with ThreadPoolExecutor(max(1, workers)) as pool:
         sums = dict(zip(names, pool.map(lambda n: crc32_of(Path(tag_dir) / n), names)))
     for name in sorted(names):
@@ -99,43 +102,58 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _sizes_checked(tag_dir: Path) -> tuple:
-    """(manifest or None, fault or None) from the manifest and a stat per file."""
+def share(body: dict, rank: int, world: int) -> List[str]:
+    """The files rank `rank` of `world` checks: the largest first, each to the rank with the
+    fewest bytes so far (ties to the lower rank); every rank computes the same split."""
+    load = [(0, r) for r in range(world)]
+    mine = []
+    for name in sorted(body["files"], key=lambda n: (-body["files"][n]["bytes"], n)):
+        bytes_so_far, r = min(load)
+        load[r] = (bytes_so_far + body["files"][name]["bytes"], r)
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
+def share_fault(tag_dir: Path, body: dict, rank: int, world: int, workers: int = 2
+                ) -> Optional[str]:
+    """Why this rank's share of `tag_dir` is not intact (a missing or short file, a checksum
+    that differs), or None. An OSError other than a missing file is raised: a fault of the
+    storage, not of the checkpoint."""
+    names = share(body, rank, world)
+    return sizes_fault(tag_dir, body, names) or checksum_fault(tag_dir, body, workers, names)
+
+
+def read_for_resume(tag_dir: Path) -> tuple:
+    """(manifest or None, why the checkpoint cannot be resumed from or None), from the manifest
+    and an earlier resume's note; nothing else is read."""
+    tag_dir = Path(tag_dir)
+    noted = tag_dir / DAMAGED
+    if noted.is_file():
+        try:
+            return None, json.loads(noted.read_text())["fault"] + " (found by an earlier resume)"
+        except (ValueError, KeyError, TypeError):
+            return None, f"{DAMAGED} says it is damaged"
+    try:
+        return read(tag_dir), None
+    except _Damaged as e:
+        return None, str(e)
+
+
+def mark_damaged(tag_dir: Path, fault: str):
+    """Keep what a resume found, so no later attempt plans from this checkpoint again."""
+    write_atomic(Path(tag_dir) / DAMAGED, json.dumps({"fault": fault, "found_at": time.time()}))
+
+
+def verify(tag_dir: Path, workers: Optional[int] = None) -> Optional[str]:
+    """None when `tag_dir` is intact (or predates manifests), else why not: sizes, then every
+    checksum, read by this process in `workers` threads."""
+    tag_dir = Path(tag_dir)
     try:
         body = read(tag_dir)
     except _Damaged as e:
-        return None, str(e)
-    return body, body and sizes_fault(tag_dir, body)
-
-
-def verify(tag_dir: Path, workers: Optional[int] = None, reuse_verdict: bool = True
-           ) -> Optional[str]:
-    """None when `tag_dir` is intact (or predates manifests), else why not: sizes, then
-    checksums (the kept verdict, when there is one and `reuse_verdict`)."""
-    tag_dir = Path(tag_dir)
-    body, fault = _sizes_checked(tag_dir)
-    if body is None or fault:
-        return fault
-    verdict = tag_dir / VERDICT
-    if reuse_verdict and verdict.is_file():
-        return json.loads(verdict.read_text()).get("fault")
-    fault = checksum_fault(tag_dir, body, workers or default_workers())
-    write_atomic(verdict, json.dumps({"fault": fault, "checked_at": time.time()}))
-    return fault
-
-
-def wait_for_verdict(tag_dir: Path, stall_s: int) -> Optional[str]:
-    """On the ranks other than 0: the sizes compared here, then rank 0's checksum verdict."""
-    tag_dir = Path(tag_dir)
-    body, fault = _sizes_checked(tag_dir)
-    if body is None or fault:
-        return fault
-    verdict, start, poll = tag_dir / VERDICT, time.monotonic(), 0.05
-    while not verdict.is_file():
-        if time.monotonic() - start > stall_s:
-            raise DrScaleError(f"{tag_dir}: waited {stall_s} s for rank 0 to check the "
-                               f"checkpoint's checksums; check it first with `dr-scale verify "
-                               f"--run_dir {tag_dir.parent.parent}`, then resume")
-        time.sleep(poll)
-        poll = min(1.0, poll * 2)  # a few stats a second per rank, not a storm
-    return json.loads(verdict.read_text()).get("fault")
+        return str(e)
+    if body is None:
+        return None
+    return sizes_fault(tag_dir, body) or checksum_fault(tag_dir, body,
+                                                        workers or default_workers())

@@ -1,6 +1,7 @@
 """Resuming a run folder: `--resume auto` settled, the checkpoint to continue from and how it
-loads (directly, or converted once to DeepSpeed's universal form before the process group), and
-the run folder itself."""
+loads (directly, or converted once to DeepSpeed's universal form), and the run folder itself."""
+import dataclasses
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -65,37 +66,41 @@ def default_run_dir() -> Path:
 
 def prepare_files(plan):
     """The step between the plan and the process group that writes: a fresh start's staging
-    leftovers cleared, and the checkpoint to resume converted to the universal form where the
-    layout changed. Global rank 0 writes (the run folder is shared); the others wait only for
-    the conversion, on the file system."""
+    leftovers cleared, and what killed conversions left pruned. Global rank 0 writes (the run
+    folder is shared). The checkpoint itself is checked, and converted where the layout changed,
+    once the ranks can agree (checkpoint/agree.py)."""
     if plan.fresh_over_old and global_rank() == 0:
         shutil.rmtree(plan.run_dir / "checkpoints", ignore_errors=True)
     if plan.resume is not None and global_rank() == 0:  # the one process that converts
         prune_leftovers(plan.resume.ckpt_dir)
-    if plan.resume is not None:
-        convert_before_group(plan.resume, plan.cfg.train.collective_timeout_s)
 
 
 @dataclass(frozen=True)
 class ResumePlan:
     """The checkpoint --resume continues from, and how it loads: "direct", or "universal" (the
-    form `convert_before_group` makes for this layout)."""
+    form `convert` makes for this layout)."""
     ckpt_dir: Path
     tag: str
     step: int
     consumed_samples: int
     mode: str
     target: TargetLayout     # the resumed run's layout (its universal form is made for it)
+    earlier: tuple = ()      # older candidates, newest first, should this one prove damaged
 
 
-def plan_resume(run_dir: Path, topo, deepspeed, signature: dict, vocab_known: bool,
-                timeout_s: int = 600) -> ResumePlan:
+def plan_resume(run_dir: Path, topo, deepspeed, signature: dict, vocab_known: bool
+                ) -> ResumePlan:
     """`deepspeed`: the plan's config/ds_config.DeepSpeedView; `signature`: the config's
     ModelShape.weights_signature(), its vocabulary the run's where `vocab_known`."""
     ckpt_dir = run_dir / "checkpoints"
-    tag = newest_intact(ckpt_dir, timeout_s)
-    refuse_other_shape(ckpt_dir / tag, saved_model(ckpt_dir / tag), signature,
+    tags = candidates(ckpt_dir)
+    plan = plan_for_tag(ckpt_dir, tags[0], topo, deepspeed)
+    refuse_other_shape(ckpt_dir / plan.tag, saved_model(ckpt_dir / plan.tag), signature,
                        unknown=() if vocab_known else ("vocab_size",))
+    return dataclasses.replace(plan, earlier=tuple(tags[1:]))
+
+
+def plan_for_tag(ckpt_dir: Path, tag: str, topo, deepspeed) -> ResumePlan:
     target = TargetLayout.of(topo, deepspeed.stage)
     mode = reshard_plan(ckpt_dir, tag, target,
                         target_nvme="offload_optimizer" in deepspeed.nvme_sections,
@@ -104,37 +109,50 @@ def plan_resume(run_dir: Path, topo, deepspeed, signature: dict, vocab_known: bo
     return ResumePlan(ckpt_dir, tag, step, consumed, mode, target)
 
 
-def newest_intact(ckpt_dir: Path, timeout_s: int) -> str:
-    """The checkpoint to resume from: the latest, or, when its manifest shows it incomplete or
-    damaged, or its folder is gone (a save that replaced it was killed between its renames),
-    the newest one before it that is intact (rank 0 says which it skipped and why, one line
-    each). Sizes are compared by every rank, checksums by global rank 0 (manifest.py); every
-    rank walks the same list in the same order, so all arrive at the same checkpoint."""
+def candidates(ckpt_dir: Path) -> list:
+    """The checkpoints a resume may continue from, newest first: the latest and those before
+    it whose folder holds every file its manifest lists (one listing each), whose trainer state
+    reads, and that no earlier resume found damaged. Rank 0 says which it skipped and why, one
+    line each. Sizes and checksums are checked once the ranks can share the reading
+    (checkpoint/agree.py); every rank walks the same list, so all plan the same one."""
     latest = latest_tag(ckpt_dir)
     if latest is None:
         find_tag(ckpt_dir)  # its one line: no checkpoint at all
-    rank0 = global_rank() == 0
     tags = complete_tags(ckpt_dir)
-    candidates = [t for t in reversed(tags) if step_of(t) <= step_of(latest)]
     skipped = [] if latest in tags else [(latest, f"{LATEST} names it, but its folder is gone")]
-    for tag in candidates:
-        fault = (manifest.verify(ckpt_dir / tag) if rank0
-                 else manifest.wait_for_verdict(ckpt_dir / tag, timeout_s))
-        if fault is None:
-            for bad, why in skipped if rank0 else ():
-                warn(f"{ckpt_dir / bad}: not intact ({why}); resuming from {tag}")
-            return tag
-        skipped.append((tag, fault))
-    raise DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
-                       + (f" (and {len(skipped) - 1} older one(s) not intact either; `dr-scale "
-                          f"verify --run_dir {ckpt_dir.parent}` lists them)"
-                          if len(skipped) > 1 else ""))
+    found = []
+    for tag in [t for t in reversed(tags) if step_of(t) <= step_of(latest)]:
+        body, fault = manifest.read_for_resume(ckpt_dir / tag)
+        if fault is None and body is not None:
+            present = set(os.listdir(ckpt_dir / tag))
+            missing = sorted(n for n in body["files"] if n.split("/")[0] not in present)
+            fault = missing and f"{missing[0]} is missing"
+        if not fault:
+            try:
+                saved_position(ckpt_dir / tag)
+            except DrScaleError as e:
+                fault = str(e)
+        if fault:
+            skipped.append((tag, fault))
+        else:
+            found.append(tag)
+    if not found:
+        raise DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
+                           + (f" (and {len(skipped) - 1} older one(s) not intact either; "
+                              f"`dr-scale verify --run_dir {ckpt_dir.parent}` lists them)"
+                              if len(skipped) > 1 else ""))
+    if global_rank() == 0:
+        for bad, why in skipped:
+            if step_of(bad) > step_of(found[0]):
+                warn(f"{ckpt_dir / bad}: not intact ({why}); resuming from {found[0]}")
+    return found
 
 
-def convert_before_group(plan: ResumePlan, timeout_s: int):
+def convert(plan: ResumePlan, timeout_s: int):
     """--resume on another number of ranks or ZeRO family: the checkpoint is converted to
-    DeepSpeed's universal format before the process group exists, by global rank 0 (the others
-    wait for its output on the shared file system), so no collective waits on the conversion."""
+    DeepSpeed's universal format by global rank 0 while the others wait for its output on the
+    shared file system (no collective is open, so none times out on the conversion; a wait
+    ends when the conversion stops making progress for `timeout_s`)."""
     ckpt_dir, tag, target = plan.ckpt_dir, plan.tag, plan.target
     if plan.mode != "universal" or universal_ready(ckpt_dir, tag, target):
         return

@@ -1,12 +1,16 @@
-"""The confirmation of a checkpoint waits for the slowest rank as long as its writes progress.
+"""The confirmation of a checkpoint waits for the slowest rank as long as the writes progress,
+with a number of store requests per rank that does not grow with the world.
 
-Every rank reports, while it writes, fsyncs and checksums its files, a counter of the work done
-(bytes in its files so far, plus files fsynced and read back) to the job's key-value store, and
-marks itself done. The ranks then meet in the confirmation's collective only once all are done,
-so a rank whose shared file system is ten minutes slower does not run a collective into its
-timeout; a rank whose counter has not moved for `stall_s` (dead, or stuck in the kernel) ends
-the save in one line naming it. Waiting is the store's own blocking wait, in slices of
-`interval_s`: no polling of the file system, one store request per slice per rank.
+Every rank, while it writes, fsyncs and checksums its files, adds the work it did since its last
+report (bytes in its files so far, plus files fsynced and read back) to one counter of the job's
+key-value store, every `interval_s`, and when done adds one to a count of ranks done; the rank
+that completes the count sets `all done`. The ranks then meet in the confirmation's collective
+only once all are done, so a rank whose shared file system is ten minutes slower does not run a
+collective into its timeout. Waiting is the store's own blocking wait on `all done`, in slices
+of `interval_s`, reading the shared counter once a slice: per rank, a few requests per interval
+whatever the number of ranks (the store's requests are counted: `CountedStore`). When the
+counter has not moved for `stall_s`, every rank still writing has stopped (dead, or stuck in the
+kernel): the save ends in one line naming them, from one request that reads their marks.
 """
 import datetime
 import os
@@ -21,12 +25,15 @@ from dr_scale.errors import DrScaleError
 
 
 class WriteProgress:
-    """This rank's side: `with WriteProgress(store, rank, files): ...` reports until done."""
+    """This rank's side: `with WriteProgress(store, rank, files, world): ...` reports until
+    done."""
 
-    def __init__(self, store, rank: int, files: Iterable, interval_s: float = 5.0):
-        self.store, self.rank, self.interval_s = store, rank, interval_s
+    def __init__(self, store, rank: int, files: Iterable, world: int = 1,
+                 interval_s: float = 5.0):
+        self.store, self.rank, self.world, self.interval_s = store, rank, world, interval_s
         self.files = [Path(f) for f in files]
         self.units = 0  # files fsynced and read back: progress their sizes do not show
+        self._reported = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -43,10 +50,14 @@ class WriteProgress:
         return written + self.units
 
     def _report(self):
-        self.store.set(f"progress/{self.rank}", str(self.done_so_far()))
+        now = self.done_so_far()
+        if now != self._reported:  # the shared counter moves only by what moved here
+            self.store.add(PROGRESS, now - self._reported)
+            self._reported = now
 
     def __enter__(self):
         if self.store is not None:
+            self.store.set(f"writing/{self.rank}", "1")  # read only to name a stalled rank
             self._report()
 
             def loop():
@@ -62,34 +73,56 @@ class WriteProgress:
         if self._thread is not None:
             self._thread.join()
             self._report()
-            self.store.set(f"done/{self.rank}", "1")  # also after a failure: it is confirmed
+            self.store.set(f"writing/{self.rank}", "0")
+            # also after a failure: the failure is confirmed in the collective after
+            if self.store.add(DONE, 1) == self.world:
+                self.store.set(ALL_DONE, "1")
         return False
 
 
+PROGRESS, DONE, ALL_DONE = "progress", "done", "all_done"
+
+
 def wait_for_writers(store, world: int, what: str, stall_s: float, interval_s: float = 5.0):
-    """Block until every rank is done; raise one line naming a rank whose progress stopped for
-    `stall_s` seconds."""
-    done = [f"done/{r}" for r in range(world)]
-    last = {}  # rank -> (counter, when it last changed)
+    """Block until every rank is done; raise one line naming the ranks still writing when the
+    shared progress counter has not moved for `stall_s` seconds."""
+    last, since = None, time.monotonic()
     while True:
         try:
-            store.wait(done, datetime.timedelta(seconds=interval_s))
+            store.wait([ALL_DONE], datetime.timedelta(seconds=interval_s))
             return
-        except (dist.DistStoreError, RuntimeError):  # the slice ran out: who is still writing
+        except (dist.DistStoreError, RuntimeError):  # the slice ran out: is anyone writing?
             pass
+        counter = int(store.add(PROGRESS, 0))
         now = time.monotonic()
-        for r in range(world):
-            if store.check([f"done/{r}"]):
-                continue
-            counter = store.get(f"progress/{r}").decode() if store.check([f"progress/{r}"]) \
-                else "0"
-            if r not in last or last[r][0] != counter:
-                last[r] = (counter, now)
-            elif now - last[r][1] > stall_s:
-                raise DrScaleError(
-                    f"{what}: rank {r} made no progress writing its files for {stall_s:.0f} s "
-                    f"(at {int(counter) / 2**20:.1f} MiB); the latest checkpoint is still the "
-                    "previous one (train.collective_timeout_s sets how long a stall may last)")
+        if counter != last:
+            last, since = counter, now
+        elif now - since > stall_s:
+            marks = store.multi_get([f"writing/{r}" for r in range(world)])
+            silent = [r for r, mark in enumerate(marks) if mark != b"0"]
+            named = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more"
+                                                       if len(silent) > 8 else "")
+            raise DrScaleError(
+                f"{what}: rank(s) {named} made no progress writing their files for "
+                f"{stall_s:.0f} s; the latest checkpoint is still the previous one "
+                "(train.collective_timeout_s sets how long a stall may last)")
+
+
+class CountedStore:
+    """The job's store with its requests counted (`requests`, per process), so the traffic of
+    a save can be measured at any number of ranks."""
+    requests = 0
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def counted(*args, **kwargs):
+            CountedStore.requests += 1
+            return method(*args, **kwargs)
+        return counted
 
 
 def job_store(namespace: str):
@@ -97,4 +130,5 @@ def job_store(namespace: str):
     single process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.PrefixStore(namespace, dist.distributed_c10d._get_default_store())
+    return CountedStore(dist.PrefixStore(namespace,
+                                         dist.distributed_c10d._get_default_store()))

@@ -97,6 +97,7 @@ class CheckpointWriter:
         copy in host memory (else from the live tensors, waiting before the next update)."""
         self.engine, self.ckpt_dir, self.rank = engine, Path(ckpt_dir), topology.rank
         self.world, self.stall_s, self.snapshot = topology.world, timeout_s, snapshot
+        self.progress_interval_s = 5.0  # how often a rank reports its writes, and waiters look
         self._saves = 0  # numbers each save's namespace in the job's store (same on every rank)
         self._buffers = SnapshotBuffers() if asynchronous and snapshot else None
         self._prepared = False  # prepare_snapshot has run
@@ -268,7 +269,8 @@ class CheckpointWriter:
         store = job_store(f"dr_scale_checkpoint/{self._saves}/") if self.world > 1 else None
         ok = torch.tensor([1.0])
         described = {}
-        with WriteProgress(store, self.rank, files) as progress:
+        with WriteProgress(store, self.rank, files, self.world,
+                           self.progress_interval_s) as progress:
             failure = failure or self._write(writes)
             if after_writes is not None:
                 after_writes()
@@ -287,7 +289,8 @@ class CheckpointWriter:
             ok.zero_()
         failed = failure or ""
         if store is not None:  # the collective below starts when every rank is done
-            wait_for_writers(store, self.world, f"checkpoint {tag}", self.stall_s)
+            wait_for_writers(store, self.world, f"checkpoint {tag}", self.stall_s,
+                             self.progress_interval_s)
         comm.all_reduce(ok, op="min", group=group)
         if not ok.item():
             raise DrScaleError(f"checkpoint {tag}: " + (failed or "another rank could not write "
