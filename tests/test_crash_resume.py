@@ -361,6 +361,55 @@ def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_pa
     assert "Traceback" not in text.split(found.group(0))[0][-2000:]
 
 
+def test_a_silent_rank_is_named_by_the_step_deadline_with_its_host_and_pid(cache_dir, tmp_path):
+    """SIGSTOP to rank 1 mid-run with the default collective timeout (600 s): the step deadline
+    (max(train.step_timeout_min_s = 20 s here, 10 x the median step)) ends rank 0 within it
+    plus two heartbeat intervals, with one line naming rank 1 as silent, its host, its pid and
+    the step and phase of its last heartbeat (a beat every 5 s: with steps this fast, maybe
+    the start), and the exit code of a fault (74: requeued)."""
+    import socket
+
+    import psutil
+
+    run = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        proc = spawn(["--ds_config", "zero1", "--run_dir", run, "data.seq_length=64",
+                      "train.max_steps=400", "train.log_interval=1", "train.eval_interval=1000",
+                      "train.save_interval=1000", "train.micro_batch_size=2",
+                      "train.global_batch_size=8", "logging.plot=false",
+                      "train.step_timeout_min_s=20"], cache_dir, log)
+        deadline = time.time() + 300
+        while 3 not in logged_steps(run) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        ranks = {int(p.environ().get("RANK", -1)): p
+                 for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "pretrain.py" in " ".join(p.cmdline())}
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        while "dr_scale: error:" not in (tmp_path / "log").read_text() and \
+                time.time() < stopped + 120:
+            time.sleep(0.1)
+        waited = time.time() - stopped
+        ranks[0].wait(timeout=30)
+        ranks[1].kill()  # what the scheduler does to the stopped rank when the step ends
+        try:
+            code = proc.wait(timeout=60)  # DeepSpeed's launcher passes rank 0's status on
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "log").read_text()
+    found = re.search(r"dr_scale: error: step (\d+)( stop-signal agreement)? waited (\d+) s \(the "
+                      r"deadline: 20 s = .*\); silent: rank 1 on (\S+) pid (\d+) at step (\d+) "
+                      r"in '([^']*)', last collective '[^']*', no heartbeat for (\d+) s$",
+                      text, re.M)
+    assert found, text[-3000:]
+    assert found.group(4) == socket.gethostname() and int(found.group(5)) == ranks[1].pid
+    assert int(found.group(6)) <= int(found.group(1)) and 20 <= int(found.group(3)) <= 32
+    assert 20 <= waited < 20 + 2 * 5 + 5, waited
+    assert code == 74  # EXIT_FAULT: a scheduler retries it
+    assert "Traceback" not in text
+
+
 def test_torchrun_elastic_agent_restarts_a_group_that_lost_a_rank(reference, cache_dir,
                                                                    tmp_path):
     """launchers/torchrun_elastic.sh on 2 ranks: rank 1 is SIGKILLed after step 5 (a checkpoint

@@ -110,6 +110,12 @@ class TrainConfig(Section):
                                  "copy, the loop waits before the next optimizer step")
     collective_timeout_s: int = field(600, min=5, help="a collective waiting longer ends the "
                                       "run in one line naming the rank and the phase")
+    step_timeout_factor: float = field(10.0, min=1.0, help="a training step waiting longer than "
+                                       "this many times the median step (and "
+                                       "step_timeout_min_s) ends the run in one line naming the "
+                                       "silent ranks (runtime/watchdog.py)")
+    step_timeout_min_s: float = field(60.0, min=1.0, help="the shortest step deadline (the "
+                                      "first steps, fast steps)")
     checkpoint_write_gbps: float = field(1.0, min=0.001, help="GB/s a node writes checkpoints "
                                          "at: sizes the SIGUSR1 lead a SLURM job needs "
                                          "(runtime/slurm_lead.py)")

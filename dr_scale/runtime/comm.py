@@ -12,6 +12,8 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from dr_scale.runtime import hangs
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -37,6 +39,7 @@ def _placed(tensor, group):
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """Reduced over the group. In place (and returned) where the tensor is already on a served
     device; otherwise a copy travels and the result is written back into `tensor`."""
+    hangs.entering(f"all_reduce {op}")
     moved = _placed(tensor, group)
     dist.all_reduce(moved, op=_OPS[op], group=group)
     if moved is not tensor:
@@ -46,6 +49,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
 
 def all_gather(parts: List[torch.Tensor], tensor: torch.Tensor, group=None):
     """`parts[i]` = rank i's `tensor` (parts preallocated like `tensor`)."""
+    hangs.entering("all_gather")
     moved = _placed(tensor, group)
     out = parts if moved is tensor else [torch.empty_like(moved) for _ in parts]
     dist.all_gather(out, moved.contiguous(), group=group)
@@ -56,6 +60,7 @@ def all_gather(parts: List[torch.Tensor], tensor: torch.Tensor, group=None):
 
 def reduce_scatter(out: torch.Tensor, parts: List[torch.Tensor], group=None):
     """`out` = the sum over ranks of their `parts[this rank]`."""
+    hangs.entering("reduce_scatter")
     moved = _placed(out, group)
     dist.reduce_scatter(moved, [_placed(p, group) for p in parts], group=group)
     if moved is not out:
@@ -63,11 +68,13 @@ def reduce_scatter(out: torch.Tensor, parts: List[torch.Tensor], group=None):
 
 
 def barrier(group=None):
+    hangs.entering("barrier")
     dist.barrier(group=group)
 
 
 def broadcast_object(obj, src: int = 0, group=None):
     """Rank `src`'s picklable `obj` on every rank (torch places the bytes itself)."""
+    hangs.entering(f"broadcast_object from rank {src}")
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -97,6 +104,7 @@ def decided_by_rank0(decide):
 
 def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj`, in rank order."""
+    hangs.entering("all_gather_object")
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

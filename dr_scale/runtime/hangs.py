@@ -13,7 +13,7 @@ from dr_scale.errors import DrScaleError
 # torch's messages for a collective that waited too long, or whose peer is gone
 MARKERS = ("Timed out waiting", "timed out", "Connection closed by peer",
            "Connection reset by peer", "Broken pipe")
-_state = {"doing": "start-up", "timeout_s": None}
+_state = {"doing": "start-up", "timeout_s": None, "collective": "none yet"}
 
 
 def configure(timeout_s: int):
@@ -34,6 +34,16 @@ def doing(what: str):
 
 def activity() -> str:
     return _state["doing"]
+
+
+def entering(collective: str):
+    """Which of dr_scale's own collectives this rank entered last (runtime/comm.py): what its
+    heartbeat reports (runtime/watchdog.py)."""
+    _state["collective"] = f"{collective} during {_state['doing']}"
+
+
+def last_collective() -> str:
+    return _state["collective"]
 
 
 def as_error(exc: BaseException, rank: int) -> Optional[DrScaleError]:

@@ -23,6 +23,18 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# torch's NCCL flight recorder: the last collectives of every rank kept in a ring, dumped to a
+# file per rank when the watchdog times a collective out (each rank's sequence numbers show
+# which rank never entered the collective the others wait in). Set where the user has not.
+NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/dr_scale_nccl_trace_rank_"}
+
+
+def flight_recorder_env(env) -> dict:
+    """What NCCL_FLIGHT_RECORDER adds to `env` (the user's settings win)."""
+    return {k: v for k, v in NCCL_FLIGHT_RECORDER.items() if k not in env}
+
+
 def init_distributed(timeout_s: int = 600):
     """(device, ranks on this node): deepspeed.init_distributed with the accelerator's backend
     and a collective timeout of `timeout_s`; a plain `python launchers/pretrain.py` becomes a
@@ -33,6 +45,7 @@ def init_distributed(timeout_s: int = 600):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    os.environ.update(flight_recorder_env(os.environ))  # read by NCCL's group at its start
     acc = get_accelerator()
     timeout = datetime.timedelta(seconds=timeout_s)
     # Groups made later (DeepSpeed's data-parallel and ZeRO groups: torch new_group without a

@@ -19,6 +19,7 @@ from dr_scale.checkpoint.state import RandomGenerators, SavedState
 from dr_scale.checkpoint.writer import CheckpointWriter
 from dr_scale.callbacks.base import CallbackList, CallbackState
 from dr_scale.runtime import hangs
+from dr_scale.runtime.watchdog import Watchdog
 from dr_scale.runtime.preemption import StopSignals
 from dr_scale.train import step_runner
 from dr_scale.train.evaluator import Evaluator
@@ -182,7 +183,11 @@ class Trainer:
         t = self.cfg.train
         stop = self.stop = min(t.max_steps, self.stop_at_step or t.max_steps)
         signals = StopSignals()
-        self._fit(t, stop, signals)
+        self.watchdog = Watchdog.for_run(self.topology, t).start()
+        try:
+            self._fit(t, stop, signals)
+        finally:
+            self.watchdog.close()
         signals.restore()  # after a stop signal they stay noted: the ranks are leaving together
 
     def _fit(self, t, stop, signals):
@@ -198,6 +203,7 @@ class Trainer:
         window_losses, window_start = [], time.perf_counter()
         while self.step < stop:
             hangs.now(f"step {self.step + 1}")
+            self.watchdog.begin(self.step + 1, f"step {self.step + 1}")
             self.callbacks.fire("before_step", self, self.step)
             lr = self.current_lr()
             window_losses.append(self.steps.train_step(batches))
@@ -212,6 +218,7 @@ class Trainer:
                 window_losses, window_start = [], time.perf_counter()
             with hangs.doing(f"step {self.step} callbacks (after_step)"):
                 self.callbacks.fire("after_step", self, self.step, record)
+            self.watchdog.end()
             if self.step % t.eval_interval == 0 or self.step == t.max_steps:
                 self.evaluate()
                 window_start = time.perf_counter()  # evaluation time is not training throughput
@@ -223,10 +230,13 @@ class Trainer:
                 with hangs.doing(f"step {self.step} preparing the asynchronous save's buffers"):
                     self.writer.prepare_snapshot(self.saved.state_dict)
             hangs.now(f"step {self.step} stop-signal agreement")
+            self.watchdog.begin(self.step, f"step {self.step} stop-signal agreement",
+                                timed=False)
             # every rank, every step: they stop at the same one, see a save finish at one, and
             # save by time at one
             signal_name, written, save_due = signals.agreed(
                 idle_here=self.writer.idle(), save_due_here=not saved and self._save_due())
+            self.watchdog.end()
             if written:
                 self._saved(self.writer.wait())
             if save_due:
