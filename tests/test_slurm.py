@@ -239,3 +239,20 @@ def test_the_stop_signal_lead_is_told_and_checked():
     assert len(two) == 2 and two[1].startswith("warning: the job's stop signal comes 600 s")
     assert two[1].endswith(f"raise --signal=USR1@ and {LEAD_ENV} to 1080")
     assert list(lead_lines(68_976_648_192, 2, 8, 1.0, {})) == []  # not under SLURM
+
+
+def test_a_partition_s_grace_time_is_read_and_a_short_one_warned_of():
+    """scontrol's GraceTime (seconds, or [D-]HH:MM:SS) becomes the preemption warning's figure:
+    the 70B save on 8 nodes (~121 s) against a 30 s grace warns; 300 s does not."""
+    from dr_scale.runtime.slurm_lead import lead_lines, parse_grace
+
+    assert parse_grace("PartitionName=gpu AllowGroups=ALL GraceTime=30 Hidden=NO") == 30
+    assert parse_grace("GraceTime=00:02:00 ") == 120 and parse_grace("GraceTime=1-00:00:05") == 86405
+    assert parse_grace("PartitionName=gpu") is None
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_PARTITION": "gpu", "DR_SCALE_SIGNAL_LEAD_S": "600"}
+    short = list(lead_lines(68_976_648_192, 2, 8, 1.0, env, grace_s=30))
+    assert len(short) == 2 and short[1] == (
+        "warning: a preemption gives 30 s (GraceTime of partition gpu) from its SIGTERM to its "
+        "SIGKILL, a save needs ~121 s: a preemption loses the work since the last save "
+        "(train.save_interval_minutes bounds it)")
+    assert len(list(lead_lines(68_976_648_192, 2, 8, 1.0, env, grace_s=300))) == 1

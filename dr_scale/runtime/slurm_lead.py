@@ -7,7 +7,9 @@ first) plus a minute. The script says what it gave in DR_SCALE_SIGNAL_LEAD_S
 (launchers/slurm_pretrain.sbatch)."""
 import math
 import os
-from typing import Iterator
+import re
+import subprocess
+from typing import Iterator, Optional
 
 LEAD_ENV = "DR_SCALE_SIGNAL_LEAD_S"
 
@@ -16,8 +18,37 @@ def checkpoint_bytes(parameters: int, weight_bytes: int) -> int:
     return parameters * (weight_bytes + 12)
 
 
+def grace_time_s(environ=os.environ) -> Optional[int]:
+    """The GraceTime of the job's partition (how long a preemption's SIGTERM comes before its
+    SIGKILL), from `scontrol show partition`; None where SLURM does not say."""
+    partition = environ.get("SLURM_JOB_PARTITION")
+    if not partition:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "show", "partition", partition, "-o"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_grace(out)
+
+
+def parse_grace(text: str) -> Optional[int]:
+    """Seconds of `GraceTime=` in scontrol's line (seconds, or [D-]HH:MM:SS), or None."""
+    found = re.search(r"\bGraceTime=(\S+)", text)
+    if not found:
+        return None
+    value = found.group(1)
+    if value.isdigit():
+        return int(value)
+    days, _, clock = value.rpartition("-")
+    parts = [int(x) for x in clock.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return (int(days or 0) * 24 + parts[0]) * 3600 + parts[1] * 60 + parts[2]
+
+
 def lead_lines(parameters: int, weight_bytes: int, nodes: int, write_gbps: float,
-               environ=os.environ) -> Iterator[str]:
+               environ=os.environ, grace_s: Optional[int] = None) -> Iterator[str]:
     """The start lines of a run under SLURM (none elsewhere): the save estimate and lead, and a
     warning when the job's lead is shorter."""
     if "SLURM_JOB_ID" not in environ:
@@ -31,6 +62,11 @@ def lead_lines(parameters: int, weight_bytes: int, nodes: int, write_gbps: float
            f"{write_gbps:g} GB/s a node (train.checkpoint_write_gbps); stop signal lead needed "
            f"{lead} s (--signal=USR1@{lead}), given "
            f"{given + ' s' if given else 'unknown (' + LEAD_ENV + ' unset)'}")
+    if grace_s is not None and grace_s < save_s:
+        yield (f"warning: a preemption gives {grace_s} s (GraceTime of partition "
+               f"{environ.get('SLURM_JOB_PARTITION')}) from its SIGTERM to its SIGKILL, a save "
+               f"needs ~{save_s:.0f} s: a preemption loses the work since the last save "
+               f"(train.save_interval_minutes bounds it)")
     if given and given.isdigit() and int(given) < lead:
         yield (f"warning: the job's stop signal comes {given} s before its end, a save needs "
                f"~{lead} s: the time limit may end it mid-save (the run then resumes from the "

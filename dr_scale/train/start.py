@@ -102,7 +102,8 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
         yield f"host memory: {memory_note}"
     yield from slurm_lead.lead_lines(facts.parameters, 4 if deepspeed.precision == "fp32" else 2,
                                      max(1, t.world // group.local_world),
-                                     c.train.checkpoint_write_gbps)
+                                     c.train.checkpoint_write_gbps,
+                                     grace_s=slurm_lead.grace_time_s())
     yield from (f"warning: {w}" for w in sources.warnings)
 
 
