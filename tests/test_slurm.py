@@ -3,9 +3,8 @@ test section installs them), one node of this machine started here (munged, slur
 with their own configuration in a temporary folder). A 2-task job preempted (the time limit's
 SIGUSR1) saves, is requeued, resumes and ends with the uninterrupted run's losses; a task killed by SIGKILL ends the job (the survivor's collective fails, or srun ends it),
 which requeues itself and resumes from the newest complete checkpoint, to the same losses."""
-import os
+import contextlib
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -13,99 +12,23 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import ROOT, free_port, module_folder
+from tests.conftest import ROOT, module_folder
+from tests.slurm_cluster import SlurmMissing, one_node_slurm
 from tests.test_crash_resume import ARGS, logged_steps, reference  # noqa: F401 (a fixture)
 from tests.test_train_distributed import records
 
 SCRIPT = ROOT / "launchers" / "slurm_pretrain.sbatch"
-PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
-SLURM_CONF = """ClusterName=dr_scale_test
-SlurmctldHost={host}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-# a requeued job waits cred_expire before it starts again (120 s by default)
-AuthInfo=socket={root}/munge.socket,cred_expire=5
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-MpiDefault=none
-SwitchType=switch/none
-JobRequeue=1
-ReturnToService=2
-KillWait=30
-MinJobAge=600
-SchedulerType=sched/backfill
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-{node} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
 
 
 @pytest.fixture(scope="module")
 def slurm(request, tmp_path_factory):
     """The environment that reaches this machine's one-node SLURM (SLURM_CONF)."""
-    missing = [p for p in PROGRAMS if shutil.which(p) is None]
-    if missing:
-        pytest.fail(f"{', '.join(missing)} not found: these tests need Debian's slurm-wlm and "
-                    f"munge (apt-get install slurm-wlm munge, as the README's test section says)")
     root = module_folder(request, tmp_path_factory, "slurm")
-    for folder in ("state", "spool"):
-        (root / folder).mkdir()
-    node = subprocess.run(["slurmd", "-C"], capture_output=True, text=True,
-                          check=True).stdout.splitlines()[0]  # NodeName=... CPUs=... RealMemory=
-    host = re.search(r"NodeName=(\S+)", node).group(1)
-    conf = root / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, root=root, node=node, ctld_port=free_port(),
-                                      d_port=free_port()))
-    env = dict(os.environ, SLURM_CONF=str(conf))
-    subprocess.run(["munged", "--force", f"--socket={root}/munge.socket",
-                    f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
-                    f"--seed-file={root}/munge.seed"], check=True, env=env)
-    subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=env)
-    subprocess.run(["slurmd", "-f", str(conf)], check=True, env=env)
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                                   env=env).stdout.strip()
-            if state == "idle":
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"SLURM's node did not come up ({state!r}):\n"
-                        + (root / "slurmctld.log").read_text()[-2000:])
-        yield env
-    finally:  # a test that failed mid-job leaves it running: end it before the daemons
-        subprocess.run(["scancel", "--full", "--quiet", "--user", "root"], env=env)
-        deadline = time.time() + 60
-        while time.time() < deadline and subprocess.run(
-                ["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip():
-            time.sleep(0.5)
-        for daemon in ("slurmd", "slurmctld", "munged"):
-            pid_file = root / f"{daemon}.pid"
-            if pid_file.is_file():
-                with _no_such_process():
-                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
-
-
-class _no_such_process:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is ProcessLookupError
+        with one_node_slurm(root) as env:
+            yield env
+    except SlurmMissing as e:
+        pytest.fail(str(e))
 
 
 def submit(slurm, cache_dir, ds, run) -> str:
@@ -164,7 +87,7 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
              lambda: "attempt 2 on" in log.read_text() and 8 in logged_steps(run), 300, log)
     ranks = {}  # the tasks' python processes (srun and the batch shell name the run too)
     for proc in psutil.process_iter(["cmdline"]):
-        with _no_such_process():
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
             cmd = proc.info["cmdline"] or []
             if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
                     and "RANK" in proc.environ() and "pretrain.py" not in \
@@ -249,6 +172,7 @@ def test_a_partition_s_grace_time_is_read_and_a_short_one_warned_of():
     assert parse_grace("PartitionName=gpu AllowGroups=ALL GraceTime=30 Hidden=NO") == 30
     assert parse_grace("GraceTime=00:02:00 ") == 120 and parse_grace("GraceTime=1-00:00:05") == 86405
     assert parse_grace("PartitionName=gpu") is None
+    assert parse_grace("GraceTime=0 PreemptMode=OFF State=UP") is None  # never preempted
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_PARTITION": "gpu", "DR_SCALE_SIGNAL_LEAD_S": "600"}
     short = list(lead_lines(68_976_648_192, 2, 8, 1.0, env, grace_s=30))
     assert len(short) == 2 and short[1] == (

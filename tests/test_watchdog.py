@@ -42,6 +42,6 @@ def test_the_deadline_follows_the_median_step_and_the_first_steps_are_not_timed(
 def test_nccl_flight_recorder_is_set_where_the_user_has_not():
     from dr_scale.runtime.process_group import flight_recorder_env
 
-    added = flight_recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"})
+    added = flight_recorder_env({"TORCH_FR_BUFFER_SIZE": "100"})
     assert added == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/dr_scale_nccl_trace_rank_"}

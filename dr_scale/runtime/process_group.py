@@ -26,7 +26,10 @@ def world_size_from_env() -> int:
 # torch's NCCL flight recorder: the last collectives of every rank kept in a ring, dumped to a
 # file per rank when the watchdog times a collective out (each rank's sequence numbers show
 # which rank never entered the collective the others wait in). Set where the user has not.
-NCCL_FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+# TORCH_FR_BUFFER_SIZE is the buffer's name since torch renamed TORCH_NCCL_TRACE_BUFFER_SIZE
+# (torch 2.13 warns on the old one on every rank); on a torch older than the rename, set
+# TORCH_NCCL_TRACE_BUFFER_SIZE yourself.
+NCCL_FLIGHT_RECORDER = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/tmp/dr_scale_nccl_trace_rank_"}
 
 

@@ -33,9 +33,10 @@ def grace_time_s(environ=os.environ) -> Optional[int]:
 
 
 def parse_grace(text: str) -> Optional[int]:
-    """Seconds of `GraceTime=` in scontrol's line (seconds, or [D-]HH:MM:SS), or None."""
+    """Seconds of `GraceTime=` in scontrol's line (seconds, or [D-]HH:MM:SS), or None (none
+    given, or a partition whose jobs are never preempted: PreemptMode=OFF)."""
     found = re.search(r"\bGraceTime=(\S+)", text)
-    if not found:
+    if not found or re.search(r"\bPreemptMode=OFF\b", text):
         return None
     value = found.group(1)
     if value.isdigit():
