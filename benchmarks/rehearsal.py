@@ -8,6 +8,8 @@ one node), through a scripted series of faults, each injected the way a cluster 
                the last rank SIGKILLed mid-step: a failure, requeued; the next attempt finds the
                damage in its share check and resumes from the checkpoint before
   hang         rank 1 SIGSTOPped: the step deadline names it, exit 74, requeued
+  full disk    the next save's staging folder a 1 MiB tmpfs (as root, permissions stop
+               nothing): every rank names its file in one line, exit 74, requeued
   preemption   SIGTERM to every process of the job (scancel --signal=TERM --full): srun ends the
                step, a failure, requeued
   fewer ranks  a stop signal, the requeued job cancelled, and a job of N/2 tasks resumes the
@@ -110,7 +112,7 @@ class Job:
 
 def steps_in(text: str) -> list:
     """The training steps rank 0 logged in one attempt's output."""
-    return [int(m) for m in re.findall(r"^0: train step\s+(\d+)/", text, re.M)]
+    return [int(m) for m in re.findall(r"^ *0: train step\s+(\d+)/", text, re.M)]
 
 
 def attempt_steps(job: "Job", attempt: int) -> list:
@@ -224,6 +226,20 @@ def rehearse(ranks: int, folder: Path, cache: Path, slurm_env, timeout: float = 
                   r"failure \d+ of \d+ allowed since checkpoint \S+: requeued")
     named = re.search(r"silent: rank 1 on \S+ pid \d+", job.attempts()[attempt - 2])
     entry["named_silent_rank"] = bool(named)
+
+    # a full disk during a save: a 1 MiB tmpfs where the next save stages its files
+    staging = run / "checkpoints" / ".incoming"
+    at_step(result["faults"][-1]["resumed_from"] + 2)
+    wait("no save in flight", lambda: not staging.exists(), timeout, job)
+    staging.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(staging)], check=True)
+    try:
+        entry = fault("a full disk during a save", lambda: None,
+                      r"failure \d+ of \d+ allowed since checkpoint \S+: requeued")
+    finally:
+        subprocess.run(["umount", "--lazy", str(staging)], check=False)
+    entry["named_full_disk"] = bool(re.search(r"could not be written \(No space left on device",
+                                              job.attempts()[attempt - 2]))
 
     at_step(result["faults"][-1]["resumed_from"] + 3)
     fault("preemption (SIGTERM to the job)", lambda: job.scancel("--signal=TERM", "--full"),

@@ -26,7 +26,7 @@ from dr_scale.parallel import compile_choice
 from dr_scale.parallel.parallelize import parallelize
 from dr_scale.parallel.sharded_build import LOADED_LATER, build_for_run
 from dr_scale.plan import RunPlan, check, start_group
-from dr_scale.runtime import hangs, host_memory
+from dr_scale.runtime import hangs, host_memory, suspects
 from dr_scale.train.engine import initialize_engine
 from dr_scale.train.metrics import MetricsLogger
 from dr_scale.train.expert_load_plot import plot_expert_load
@@ -134,7 +134,9 @@ def main(argv=None):
         say_error(str(e))
         code = EXIT_FAULT
     except OSError as e:  # the file system: EIO, a full disk, a vanished file
-        say_error(f"{e.filename or 'I/O'}: {e.strerror or e} (errno {e.errno})")
+        line = f"{e.filename or 'I/O'}: {e.strerror or e} (errno {e.errno})"
+        say_error(line)
+        suspects.note(plan.run_dir, [suspects.node_name()], f"I/O error: {line}")
         code = EXIT_FAULT
     leave(code)
 

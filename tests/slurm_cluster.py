@@ -2,7 +2,9 @@
 and munge (the README's test section installs them), munged, slurmctld and slurmd started with
 their own configuration in a folder of the caller's, and stopped (with any job left) at the
 end. `cpus` declares more CPUs than the machine has (SlurmdParameters=config_overrides), so a
-job of N tasks fits one node of a 2-core machine: a rehearsal of N ranks."""
+job of N tasks fits one node of a 2-core machine: a rehearsal of N ranks. `nodes` > 1 starts
+that many slurmd on this machine, nodes n1, n2, ... (a slurmd each, on ports of their own), so a
+job can be kept off one of them (--exclude)."""
 import contextlib
 import os
 import re
@@ -25,11 +27,11 @@ CredType=cred/munge
 # a requeued job waits cred_expire before it starts again (120 s by default)
 AuthInfo=socket={root}/munge.socket,cred_expire=5
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 SlurmctldPort={ctld_port}
 SlurmdPort={d_port}
 SlurmdParameters=config_overrides
@@ -46,8 +48,8 @@ MinJobAge=600
 SchedulerType=sched/backfill
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
-{node} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{nodes}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
@@ -56,7 +58,7 @@ class SlurmMissing(RuntimeError):
 
 
 @contextlib.contextmanager
-def one_node_slurm(root: Path, cpus: Optional[int] = None):
+def one_node_slurm(root: Path, cpus: Optional[int] = None, nodes: int = 1):
     """Yields the environment that reaches the cluster (SLURM_CONF set)."""
     missing = [p for p in PROGRAMS if shutil.which(p) is None]
     if missing:
@@ -72,22 +74,32 @@ def one_node_slurm(root: Path, cpus: Optional[int] = None):
         node = re.sub(r"CPUs=\d+", f"CPUs={cpus}", node)
         node = re.sub(r" (Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=\d+", "", node)
     host = re.search(r"NodeName=(\S+)", node).group(1)
+    names = [host] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
+    lines = [f"{node} State=UNKNOWN"] if nodes == 1 else [
+        node.replace(f"NodeName={host}", f"NodeName={name} NodeHostname={host} "
+                                         f"Port={free_port()}") + " State=UNKNOWN"
+        for name in names]
+    for name in names:
+        (root / "spool" / name).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(host=host, root=root, node=node, ctld_port=free_port(),
+    conf.write_text(SLURM_CONF.format(host=host, root=root, nodes="\n".join(lines),
+                                      names=",".join(names), ctld_port=free_port(),
                                       d_port=free_port()))
     env = dict(os.environ, SLURM_CONF=str(conf))
     subprocess.run(["munged", "--force", f"--socket={root}/munge.socket",
                     f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
                     f"--seed-file={root}/munge.seed"], check=True, env=env)
     subprocess.run(["slurmctld", "-f", str(conf)], check=True, env=env)
-    subprocess.run(["slurmd", "-f", str(conf)], check=True, env=env)
+    for name in names:
+        subprocess.run(["slurmd", "-f", str(conf), *(["-N", name] if nodes > 1 else [])],
+                       check=True, env=env)
     try:
         deadline = time.time() + 60
         state = ""
         while time.time() < deadline:
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                                   env=env).stdout.strip()
-            if state == "idle":
+            state = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True,
+                                   text=True, env=env).stdout.split()
+            if state == ["idle"] * nodes:
                 break
             time.sleep(0.5)
         else:
@@ -100,7 +112,7 @@ def one_node_slurm(root: Path, cpus: Optional[int] = None):
         while time.time() < deadline and subprocess.run(
                 ["squeue", "-h"], capture_output=True, text=True, env=env).stdout.strip():
             time.sleep(0.5)
-        for daemon in ("slurmd", "slurmctld", "munged"):
+        for daemon in [*(f"slurmd-{name}" for name in names), "slurmctld", "munged"]:
             pid_file = root / f"{daemon}.pid"
             if pid_file.is_file():
                 with contextlib.suppress(ProcessLookupError):

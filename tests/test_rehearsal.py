@@ -1,6 +1,6 @@
 """benchmarks/rehearsal.py at N = 8: eight CPU ranks under a real one-node SLURM, the shipped
 sbatch script, through a time limit, a damaged latest checkpoint with a rank SIGKILLed, a
-SIGSTOPped rank, a preemption and a requeue on four ranks; one scripted job checked many ways.
+SIGSTOPped rank, a full disk during a save, a preemption and a requeue on four ranks; one scripted job checked many ways.
 The run ends as the uninterrupted eight-rank job (fp32: bitwise before the layout change,
 within 1e-5 after), each step once, each sample position once."""
 import sys
@@ -30,6 +30,8 @@ def test_a_week_of_faults_at_eight_ranks(request, cache_dir, tmp_path_factory):
     # the hang: named by the step deadline (15 s here) with its host and pid, well inside 2 min
     hang = faults["rank 1 SIGSTOPped (a hang)"]
     assert hang["named_silent_rank"] and hang["detect_s"] < 15 + 2 * 5 + 20, hang
-    # three failures, each requeued (the time limits spend none of the budget)
-    assert len(week["failures_file"]) == 3, week["failures_file"]
+    # the full disk: each rank names its file and the free space; the save before it stands
+    assert faults["a full disk during a save"]["named_full_disk"]
+    # four failures, each requeued (the time limits spend none of the budget)
+    assert len(week["failures_file"]) == 4, week["failures_file"]
     assert faults["requeued on 4 ranks (universal form)"]["lost_steps"] == 0

@@ -31,14 +31,14 @@ def slurm(request, tmp_path_factory):
         pytest.fail(str(e))
 
 
-def submit(slurm, cache_dir, ds, run) -> str:
+def submit(slurm, cache_dir, ds, run, extra=()) -> str:
     """The README's sbatch line on one node of 2 CPU tasks (no GPUs): the job id."""
     env = dict(slurm, DR_SCALE_CACHE=str(cache_dir), SURVIVOR_WAIT_S="10")
     env.pop("OMP_NUM_THREADS", None)
     out = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2",
                           "--cpus-per-task=1", "--gpus-per-node=0", "--time=30",
                           f"--output={run.parent}/slurm-%j.out", f"--chdir={ROOT}", str(SCRIPT),
-                          "--ds_config", str(ds), "--run_dir", str(run), *ARGS],
+                          "--ds_config", str(ds), "--run_dir", str(run), *ARGS, *extra],
                          capture_output=True, text=True, env=env, check=True)
     return out.stdout.strip().split(";")[0]
 
@@ -57,8 +57,8 @@ def wait_for(what, ready, timeout, log):
         time.sleep(0.2)
 
 
-def finished(slurm, job, run, expected):
-    log = run.parent / f"slurm-{job}.out"
+def finished(slurm, job, run, expected, log=None):
+    log = log or run.parent / f"slurm-{job}.out"
     wait_for("the job to end", lambda: job_state(slurm, job) == "", 400, log)
     text = log.read_text()
     got = [r for r in records(run) if "loss" in r]
@@ -180,3 +180,53 @@ def test_a_partition_s_grace_time_is_read_and_a_short_one_warned_of():
         "SIGKILL, a save needs ~121 s: a preemption loses the work since the last save "
         "(train.save_interval_minutes bounds it)")
     assert len(list(lead_lines(68_976_648_192, 2, 8, 1.0, env, grace_s=300))) == 1
+
+
+@pytest.fixture(scope="module")
+def two_nodes(request, tmp_path_factory):
+    """A SLURM of two nodes on this machine (n1, n2: a slurmd each)."""
+    root = module_folder(request, tmp_path_factory, "slurm2")
+    try:
+        with one_node_slurm(root, cpus=2, nodes=2) as env:
+            yield env
+    except SlurmMissing as e:
+        pytest.fail(str(e))
+
+
+def test_the_node_of_a_silent_rank_is_kept_out_of_the_next_attempt(two_nodes, reference,
+                                                                     cache_dir, tmp_path):
+    """A 1-node job of 2 tasks; its rank 1 SIGSTOPped: the step deadline (15 s here) names it,
+    the surviving rank notes its node in the run folder's suspect_hosts, and the script, instead
+    of a requeue, submits the job again with that node in --exclude; the new job runs on the
+    other node, resumes and ends as the uninterrupted run, bitwise."""
+    ds, expected, _ = reference
+    run = tmp_path / "run"
+    job = submit(two_nodes, cache_dir, ds, run, ["train.step_timeout_min_s=15"])
+    log = tmp_path / f"slurm-{job}.out"
+    wait_for("step 4", lambda: 4 in logged_steps(run), 300, log)
+    ranks = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            cmd = proc.info["cmdline"] or []
+            if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
+                    and "RANK" in proc.environ() and "pretrain.py" not in \
+                    " ".join(proc.parent().cmdline()):
+                ranks[proc.environ()["RANK"]] = proc
+    node = ranks["1"].environ()["SLURMD_NODENAME"]
+    other = {"n1": "n2", "n2": "n1"}[node]
+    ranks["1"].send_signal(signal.SIGSTOP)
+    wait_for("the job submitted again", lambda: "submitted again as job" in log.read_text(),
+             300, log)
+    text = log.read_text()
+    new = re.search(rf"failure 1 of 5 allowed since checkpoint step_\d{{8}}: submitted again "
+                    rf"as job (\d+), excluding {node} \(suspected: {node}\)", text)
+    assert new, text[-3000:]
+    assert re.search(rf"silent: rank 1 on {node} pid {ranks['1'].pid} ", text), text[-3000:]
+    suspects = (run / "suspect_hosts").read_text().splitlines()
+    assert len(suspects) == 1 and suspects[0].startswith(f"job {job} attempt 0 host {node} "
+                                                         "heartbeat stopped: silent: rank 1")
+    assert (run / "excluded_hosts").read_text().split() == [node]
+    second = new.group(1)
+    text = finished(two_nodes, second, run, expected, log)  # the same output file, appended
+    assert re.search(rf"^dr_scale: job {second} attempt 1 on {other} ", text, re.M), text[-3000:]
+    assert job_state(two_nodes, job) == ""

@@ -6,13 +6,12 @@ report (bytes in its files so far, plus files fsynced and read back) to one coun
 key-value store, every `interval_s`, and when done adds one to a count of ranks done; the rank
 that completes the count sets `all done`. The ranks then meet in the confirmation's collective
 only once all are done, so a rank whose shared file system is ten minutes slower does not run a
-collective into its timeout. Waiting is the store's own blocking wait on `all done`, in slices
-of `interval_s`, reading the shared counter once a slice: per rank, a few requests per interval
+collective into its timeout. Waiting looks at `all done` at growing intervals up to
+`interval_s`, and at the shared counter once an interval: per rank, a few requests per interval
 whatever the number of ranks (the store's requests are counted: `CountedStore`). When the
 counter has not moved for `stall_s`, every rank still writing has stopped (dead, or stuck in the
 kernel): the save ends in one line naming them, from one request that reads their marks.
 """
-import datetime
 import os
 import threading
 import time
@@ -85,16 +84,20 @@ PROGRESS, DONE, ALL_DONE = "progress", "done", "all_done"
 
 def wait_for_writers(store, world: int, what: str, stall_s: float, interval_s: float = 5.0):
     """Block until every rank is done; raise one line naming the ranks still writing when the
-    shared progress counter has not moved for `stall_s` seconds."""
+    shared progress counter has not moved for `stall_s` seconds. Looks at `all done` after
+    20 ms, then at twice the wait each time up to `interval_s` (torch's blocking store wait
+    logs a warning each time it runs out, on every rank), and at the counter every
+    `interval_s`."""
     last, since = None, time.monotonic()
-    while True:
-        try:
-            store.wait([ALL_DONE], datetime.timedelta(seconds=interval_s))
-            return
-        except (dist.DistStoreError, RuntimeError):  # the slice ran out: is anyone writing?
-            pass
-        counter = int(store.add(PROGRESS, 0))
+    poll, looked = 0.02, time.monotonic()
+    while not store.check([ALL_DONE]):
+        time.sleep(poll)
+        poll = min(interval_s, poll * 2)
         now = time.monotonic()
+        if now - looked < interval_s:
+            continue
+        looked = now
+        counter = int(store.add(PROGRESS, 0))
         if counter != last:
             last, since = counter, now
         elif now - since > stall_s:

@@ -21,14 +21,13 @@ launcher) is named too, as the store's host, instead of blocking the reader.
 import datetime
 import json
 import os
-import socket
 import statistics
 import threading
 import time
 from typing import List, Optional
 
 from dr_scale.errors import EXIT_FAULT
-from dr_scale.runtime import hangs
+from dr_scale.runtime import hangs, suspects
 from dr_scale.runtime.ranks import say_error
 
 STALE_BEATS = 3  # a heartbeat this many intervals old has stopped
@@ -51,11 +50,11 @@ class Watchdog:
     """`beat()` is implicit (a thread); the trainer wraps each step in `watch(step)`."""
 
     def __init__(self, rank: int, world: int, factor: float, min_s: float,
-                 interval_s: float = 5.0, store=None, exit_fn=None):
+                 interval_s: float = 5.0, store=None, exit_fn=None, run_dir=None):
         self.rank, self.world, self.factor, self.min_s = rank, world, factor, min_s
         self.interval_s = interval_s
-        self.store = store
-        self.host = socket.gethostname()
+        self.store, self.run_dir = store, run_dir
+        self.host = suspects.node_name()
         self.step = 0
         self.durations: List[float] = []
         self._started: Optional[float] = None
@@ -66,10 +65,10 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name="dr_scale watchdog", daemon=True)
 
     @classmethod
-    def for_run(cls, topology, train_cfg):
+    def for_run(cls, topology, train_cfg, run_dir=None):
         store = _store(timeout_s=10.0)
         return cls(topology.rank, topology.world, train_cfg.step_timeout_factor,
-                   train_cfg.step_timeout_min_s, store=store)
+                   train_cfg.step_timeout_min_s, store=store, run_dir=run_dir)
 
     def start(self):
         if self.store is not None:
@@ -124,7 +123,11 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - timed out: the store's host process is silent
             return (f"{head}; the job's store (hosted by rank 0's process, "
                     f"{os.environ.get('MASTER_ADDR')}) does not answer: rank 0 is silent")
-        return f"{head}; {silent_ranks(beats, self.step, self.interval_s)}"
+        line = silent_ranks(beats, self.step, self.interval_s)
+        stopped = stopped_hosts(beats, self.interval_s)
+        if stopped and self.rank == min(set(range(self.world)) - set(stopped)):
+            suspects.note(self.run_dir, stopped.values(), f"heartbeat stopped: {line}")
+        return f"{head}; {line}"
 
 
 def silent_ranks(beats: list, my_step: int, interval_s: float, now: Optional[float] = None
@@ -150,6 +153,20 @@ def silent_ranks(beats: list, my_step: int, interval_s: float, now: Optional[flo
     if elsewhere:
         return f"elsewhere (the others in '{common}'): " + _listed(elsewhere, now, "heartbeat")
     return f"every rank's heartbeat is recent, all in '{common}'"
+
+
+def stopped_hosts(beats: list, interval_s: float, now: Optional[float] = None) -> dict:
+    """{rank: node} of the ranks whose heartbeat stopped (those that never beat: unknown)."""
+    now = time.time() if now is None else now
+    out = {}
+    for rank, raw in enumerate(beats):
+        try:
+            beat = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        if now - beat["t"] > STALE_BEATS * interval_s:
+            out[rank] = beat["host"]
+    return out
 
 
 def _listed(entries, now: float, age: str) -> str:

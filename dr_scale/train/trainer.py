@@ -183,7 +183,7 @@ class Trainer:
         t = self.cfg.train
         stop = self.stop = min(t.max_steps, self.stop_at_step or t.max_steps)
         signals = StopSignals()
-        self.watchdog = Watchdog.for_run(self.topology, t).start()
+        self.watchdog = Watchdog.for_run(self.topology, t, self.run_dir).start()
         try:
             self._fit(t, stop, signals)
         finally:
