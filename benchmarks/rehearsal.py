@@ -238,7 +238,8 @@ def rehearse(ranks: int, folder: Path, cache: Path, slurm_env, timeout: float = 
                       r"failure \d+ of \d+ allowed since checkpoint \S+: requeued")
     finally:
         subprocess.run(["umount", "--lazy", str(staging)], check=False)
-    entry["named_full_disk"] = bool(re.search(r"could not be written \(No space left on device",
+    # torch's writer reports a full disk as "unexpected pos"; the line adds the free space
+    entry["named_full_disk"] = bool(re.search(r"could not be written \(.*; 0\.0 GiB free there\)",
                                               job.attempts()[attempt - 2]))
 
     at_step(result["faults"][-1]["resumed_from"] + 3)

@@ -85,7 +85,8 @@ def one_node_slurm(root: Path, cpus: Optional[int] = None, nodes: int = 1):
     conf.write_text(SLURM_CONF.format(host=host, root=root, nodes="\n".join(lines),
                                       names=",".join(names), ctld_port=free_port(),
                                       d_port=free_port()))
-    env = dict(os.environ, SLURM_CONF=str(conf))
+    # each cluster's jobs count from 1: ports of their own, should two clusters run at once
+    env = dict(os.environ, SLURM_CONF=str(conf), DR_SCALE_PORT_BASE=str(free_port()))
     subprocess.run(["munged", "--force", f"--socket={root}/munge.socket",
                     f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log",
                     f"--seed-file={root}/munge.seed"], check=True, env=env)

@@ -19,7 +19,10 @@ from dr_scale.checkpoint.reshard import (convert_to_universal, prune_leftovers, 
                                          universal_ready, wait_for_universal)
 
 # What marks a folder as a run folder (--resume auto starts fresh only in one of these or none)
-RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json")
+# (slurm_failures, suspect_hosts: written by launchers/slurm_pretrain.sbatch and the launcher
+# after an attempt that failed before the run wrote anything: the requeue must start it)
+RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "checkpoints", "ds_config.json",
+             "slurm_failures", "suspect_hosts")
 
 
 def resume_decision(args) -> tuple:

@@ -47,8 +47,13 @@ def last_collective() -> str:
 
 
 def as_error(exc: BaseException, rank: int) -> Optional[DrScaleError]:
-    """The one-line error for a collective that timed out or lost its peer; None for others."""
+    """The one-line error for a collective that timed out or lost its peer, or for a rendezvous
+    that could not listen or connect (a port taken, an address unreachable); None for others."""
     text = str(exc).strip()
+    if type(exc).__name__ == "DistNetworkError":  # torch.distributed's; a RuntimeError
+        detail = text.splitlines()[-1].split("] ", 1)[-1][:200]
+        return DrScaleError(f"rank {rank}: the process group could not start during "
+                            f"{activity()}: {detail} (MASTER_ADDR/MASTER_PORT)")
     if not isinstance(exc, RuntimeError) or not any(m in text for m in MARKERS):
         return None
     detail = text.splitlines()[-1].split("] ", 1)[-1][:160]
