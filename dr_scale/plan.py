@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dr_scale.config import ds_config as dsc
-from dr_scale.runtime import nvme_offload, op_builds
+from dr_scale.runtime import node_memory, nvme_offload, op_builds
 from dr_scale.runtime.ranks import local_rank, warn
 from dr_scale.callbacks.build import build_callbacks
 from dr_scale.config import load_config
@@ -134,6 +134,7 @@ class Group:
 def start_group(plan: RunPlan) -> Group:
     hangs.configure(plan.cfg.train.collective_timeout_s)
     device, local_world = init_distributed(plan.cfg.train.collective_timeout_s)
+    node_memory.forget()  # every rank has planned: the node's memory figure is not needed
     topo = plan.topology.at_rank(dist.get_rank()).with_groups()
     run_dir = plan.run_dir or default_run_dir()
     return Group(topo, device, local_world, run_dir, plan.deepspeed.for_run(run_dir))

@@ -57,10 +57,10 @@ def rank_limit(device_type: str, topology: Topology) -> tuple:
         local = local_rank() % max(1, torch.cuda.device_count())
         props = torch.cuda.get_device_properties(local)
         return props.total_memory, f"{format_bytes(props.total_memory)} on the {props.name}"
-    import psutil
+    from dr_scale.runtime.node_memory import available_bytes
 
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world))
-    available = psutil.virtual_memory().available
+    available = available_bytes(ranks_here)  # one figure for the node's ranks
     return available // ranks_here, (f"{format_bytes(available)} of host memory available, "
                                      f"shared by {ranks_here} rank(s) on this node")
 
