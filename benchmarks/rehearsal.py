@@ -56,8 +56,8 @@ def run_args(ranks: int) -> list:
             "train.step_timeout_min_s=15", "model.hidden_size=128",
             "model.ffn_hidden_size=352", "logging.plot=false",
             # 32 ranks of 0.53 GiB measured fit this machine's 23 GiB, but the memory check's
-            # estimate (x1.6 for glibc's kept pages) against what each rank sees available
-            # refuses them (and not the same way on every rank: each measures at its moment)
+            # estimate (x1.6 for glibc's kept pages) against the node's available memory
+            # refuses them
             *(["--skip_memory_check"] if ranks > 16 else [])]
 
 
