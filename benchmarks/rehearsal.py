@@ -38,10 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tests.slurm_cluster import one_node_slurm, task_processes  # noqa: E402 (the path above)
 SCRIPT = ROOT / "launchers" / "slurm_pretrain.sbatch"
 MAX_STEPS = 24
 
@@ -101,17 +100,7 @@ class Job:
         subprocess.run(["scancel", *args, self.id], check=True, env=self.env)
 
     def rank_processes(self) -> dict:
-        found = {}
-        for proc in psutil.process_iter(["cmdline"]):
-            try:
-                cmd = proc.info["cmdline"] or []
-                if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(self.run) in cmd \
-                        and "RANK" in proc.environ() and "pretrain.py" not in \
-                        " ".join(proc.parent().cmdline()):
-                    found[int(proc.environ()["RANK"])] = proc
-            except (psutil.Error, ProcessLookupError):
-                pass
-        return found
+        return task_processes(self.run)
 
 
 def steps_in(text: str) -> list:
@@ -299,8 +288,6 @@ def control_plane(ranks: int, folder: Path, mib: int = 256) -> dict:
 
 
 def main():
-    from tests.slurm_cluster import one_node_slurm
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--out", default="rehearsal_results")

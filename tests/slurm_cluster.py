@@ -118,3 +118,19 @@ def one_node_slurm(root: Path, cpus: Optional[int] = None, nodes: int = 1):
             if pid_file.is_file():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+
+
+def task_processes(run) -> dict:
+    """{global rank: process} of the python ranks training run folder `run` under srun (srun and
+    the batch shell name the run too; data-loader workers are the ranks' children)."""
+    import psutil
+
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(ProcessLookupError, psutil.Error):
+            cmd = proc.info["cmdline"] or []
+            if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
+                    and "RANK" in proc.environ() and "pretrain.py" not in \
+                    " ".join(proc.parent().cmdline()):
+                found[int(proc.environ()["RANK"])] = proc
+    return found

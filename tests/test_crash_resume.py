@@ -321,6 +321,18 @@ def test_sigterm_saves_and_resume_auto_continues(reference, cache_dir, tmp_path)
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
 
 
+def long_run_past_step_3(run, *extra, cache, log):
+    """A 2-rank run of 400 steps (spawned), returned once it logged step 3 (or ended)."""
+    proc = spawn(["--ds_config", "zero1", "--run_dir", run, "data.seq_length=64",
+                  "train.max_steps=400", "train.log_interval=1", "train.eval_interval=1000",
+                  "train.save_interval=1000", "train.micro_batch_size=2",
+                  "train.global_batch_size=8", "logging.plot=false", *extra], cache, log)
+    deadline = time.time() + 300
+    while 3 not in logged_steps(run) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    return proc
+
+
 def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_path):
     """SIGSTOP to rank 1 mid-run: rank 0 waits train.collective_timeout_s (10 s here) in its
     next collective, then the run ends with one line naming rank 0 and the step and phase it
@@ -329,14 +341,8 @@ def test_a_rank_that_stops_responding_ends_the_run_in_one_line(cache_dir, tmp_pa
 
     run = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:
-        proc = spawn(["--ds_config", "zero1", "--run_dir", run, "data.seq_length=64",
-                      "train.max_steps=400", "train.log_interval=1", "train.eval_interval=1000",
-                      "train.save_interval=1000", "train.micro_batch_size=2",
-                      "train.global_batch_size=8", "logging.plot=false",
-                      "train.collective_timeout_s=10"], cache_dir, log)
-        deadline = time.time() + 300
-        while 3 not in logged_steps(run) and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+        proc = long_run_past_step_3(run, "train.collective_timeout_s=10", cache=cache_dir,
+                                    log=log)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if "--local_rank=1" in " ".join(p.cmdline())]
         assert len(ranks) == 1, "rank 1 not found"
@@ -373,14 +379,7 @@ def test_a_silent_rank_is_named_by_the_step_deadline_with_its_host_and_pid(cache
 
     run = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:
-        proc = spawn(["--ds_config", "zero1", "--run_dir", run, "data.seq_length=64",
-                      "train.max_steps=400", "train.log_interval=1", "train.eval_interval=1000",
-                      "train.save_interval=1000", "train.micro_batch_size=2",
-                      "train.global_batch_size=8", "logging.plot=false",
-                      "train.step_timeout_min_s=20"], cache_dir, log)
-        deadline = time.time() + 300
-        while 3 not in logged_steps(run) and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.05)
+        proc = long_run_past_step_3(run, "train.step_timeout_min_s=20", cache=cache_dir, log=log)
         ranks = {int(p.environ().get("RANK", -1)): p
                  for p in psutil.Process(proc.pid).children(recursive=True)
                  if "pretrain.py" in " ".join(p.cmdline())}

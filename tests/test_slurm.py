@@ -3,7 +3,6 @@ test section installs them), one node of this machine started here (munged, slur
 with their own configuration in a temporary folder). A 2-task job preempted (the time limit's
 SIGUSR1) saves, is requeued, resumes and ends with the uninterrupted run's losses; a task killed by SIGKILL ends the job (the survivor's collective fails, or srun ends it),
 which requeues itself and resumes from the newest complete checkpoint, to the same losses."""
-import contextlib
 import re
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT, module_folder
-from tests.slurm_cluster import SlurmMissing, one_node_slurm
+from tests.slurm_cluster import SlurmMissing, one_node_slurm, task_processes
 from tests.test_crash_resume import ARGS, logged_steps, reference  # noqa: F401 (a fixture)
 from tests.test_train_distributed import records
 
@@ -85,14 +84,7 @@ def test_a_job_preempted_then_failing_is_requeued_each_time_and_ends_as_uninterr
     subprocess.run(["scancel", "--signal=USR1", job], check=True, env=slurm)
     wait_for("the second attempt's step 8",
              lambda: "attempt 2 on" in log.read_text() and 8 in logged_steps(run), 300, log)
-    ranks = {}  # the tasks' python processes (srun and the batch shell name the run too)
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(ProcessLookupError, psutil.Error):
-            cmd = proc.info["cmdline"] or []
-            if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
-                    and "RANK" in proc.environ() and "pretrain.py" not in \
-                    " ".join(proc.parent().cmdline()):  # not a data-loader worker
-                ranks[proc.environ()["RANK"]] = proc
+    ranks = {str(r): proc for r, proc in task_processes(run).items()}
     assert sorted(ranks) == ["0", "1"], ranks
     # five failures met at an earlier checkpoint (the budget's whole) before this one: progress
     # since then starts the count anew, so this job's failure is the first
@@ -204,14 +196,7 @@ def test_the_node_of_a_silent_rank_is_kept_out_of_the_next_attempt(two_nodes, re
     job = submit(two_nodes, cache_dir, ds, run, ["train.step_timeout_min_s=15"])
     log = tmp_path / f"slurm-{job}.out"
     wait_for("step 4", lambda: 4 in logged_steps(run), 300, log)
-    ranks = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(ProcessLookupError, psutil.Error):
-            cmd = proc.info["cmdline"] or []
-            if any(a.endswith("pretrain.py") for a in cmd[:2]) and str(run) in cmd \
-                    and "RANK" in proc.environ() and "pretrain.py" not in \
-                    " ".join(proc.parent().cmdline()):
-                ranks[proc.environ()["RANK"]] = proc
+    ranks = {str(r): proc for r, proc in task_processes(run).items()}
     node = ranks["1"].environ()["SLURMD_NODENAME"]
     other = {"n1": "n2", "n2": "n1"}[node]
     ranks["1"].send_signal(signal.SIGSTOP)

@@ -14,10 +14,9 @@ import torch
 
 from dr_scale.checkpoint import manifest
 from dr_scale.checkpoint.reshard import universal_ready
-from dr_scale.checkpoint.resume import convert, plan_for_tag
+from dr_scale.checkpoint.resume import convert, no_intact, plan_for_tag, say_skipped
 from dr_scale.errors import DrScaleError
 from dr_scale.runtime import comm, hangs
-from dr_scale.runtime.ranks import warn
 
 
 def agree_on_checkpoint(plan, group):
@@ -35,12 +34,8 @@ def agree_on_checkpoint(plan, group):
             break
         skipped.append((tag, fault))
     else:
-        tag, fault = skipped[0]
-        raise DrScaleError(f"{resume.ckpt_dir}: no intact checkpoint: {tag}: {fault}"
-                           + (f" (and {len(skipped) - 1} older one(s) not intact either)"
-                              if len(skipped) > 1 else ""))
-    for bad, why in skipped if rank == 0 else ():
-        warn(f"{resume.ckpt_dir / bad}: not intact ({why}); resuming from {tag}")
+        raise no_intact(resume.ckpt_dir, skipped)
+    say_skipped(resume.ckpt_dir, skipped, tag)
     if tag != resume.tag:
         chosen = plan_for_tag(resume.ckpt_dir, tag, plan.topology, plan.deepspeed)
         if chosen.mode != resume.mode:
@@ -60,7 +55,8 @@ def _first_fault(resume, tag: str, rank: int, world: int):
     """None when every rank found its share of `tag` intact; else the lowest such rank's line
     (rank 0 notes the checkpoint damaged). One all-reduce; a broadcast only after a fault."""
     tag_dir = resume.ckpt_dir / tag
-    if resume.mode == "universal" and tag == resume.tag and _converted(resume):
+    if resume.mode == "universal" and tag == resume.tag and \
+            universal_ready(resume.ckpt_dir, tag, resume.target):
         return None  # converted from it after an earlier check; the conversion is what loads
     body = manifest.read(tag_dir)
     fault, storage = None, False
@@ -80,7 +76,3 @@ def _first_fault(resume, tag: str, rank: int, world: int):
     if rank == 0:
         manifest.mark_damaged(tag_dir, fault)
     return fault
-
-
-def _converted(resume) -> bool:
-    return universal_ready(resume.ckpt_dir, resume.tag, resume.target)

@@ -17,6 +17,7 @@ against tampering, and zlib's runs at 2.2 GiB/s on one core of this project's CP
 1.4), releasing the GIL, so threads overlap; reading a rank's just-written files back and
 checksumming them ran at 1.0 GB/s.
 """
+import heapq
 import json
 import os
 import time
@@ -105,11 +106,11 @@ def default_workers() -> int:
 def share(body: dict, rank: int, world: int) -> List[str]:
     """The files rank `rank` of `world` checks: the largest first, each to the rank with the
     fewest bytes so far (ties to the lower rank); every rank computes the same split."""
-    load = [(0, r) for r in range(world)]
+    load = [(0, r) for r in range(world)]  # a heap: (bytes so far, rank), the least on top
     mine = []
     for name in sorted(body["files"], key=lambda n: (-body["files"][n]["bytes"], n)):
-        bytes_so_far, r = min(load)
-        load[r] = (bytes_so_far + body["files"][name]["bytes"], r)
+        bytes_so_far, r = heapq.heappop(load)
+        heapq.heappush(load, (bytes_so_far + body["files"][name]["bytes"], r))
         if r == rank:
             mine.append(name)
     return mine

@@ -140,15 +140,25 @@ def candidates(ckpt_dir: Path) -> list:
         else:
             found.append(tag)
     if not found:
-        raise DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
-                           + (f" (and {len(skipped) - 1} older one(s) not intact either; "
-                              f"`dr-scale verify --run_dir {ckpt_dir.parent}` lists them)"
-                              if len(skipped) > 1 else ""))
-    if global_rank() == 0:
-        for bad, why in skipped:
-            if step_of(bad) > step_of(found[0]):
-                warn(f"{ckpt_dir / bad}: not intact ({why}); resuming from {found[0]}")
+        raise no_intact(ckpt_dir, skipped)
+    say_skipped(ckpt_dir, [(t, why) for t, why in skipped if step_of(t) > step_of(found[0])],
+                found[0])
     return found
+
+
+def no_intact(ckpt_dir: Path, skipped: list) -> DrScaleError:
+    """The one line when every checkpoint in `skipped` ((tag, why), newest first) is not
+    intact."""
+    return DrScaleError(f"{ckpt_dir}: no intact checkpoint: {skipped[0][0]}: {skipped[0][1]}"
+                        + (f" (and {len(skipped) - 1} older one(s) not intact either; "
+                           f"`dr-scale verify --run_dir {ckpt_dir.parent}` lists them)"
+                           if len(skipped) > 1 else ""))
+
+
+def say_skipped(ckpt_dir: Path, skipped: list, tag: str):
+    """Global rank 0's warning for each newer checkpoint passed over for `tag`."""
+    for bad, why in skipped if global_rank() == 0 else ():
+        warn(f"{ckpt_dir / bad}: not intact ({why}); resuming from {tag}")
 
 
 def convert(plan: ResumePlan, timeout_s: int):

@@ -47,7 +47,7 @@ def _store(timeout_s: float):
 
 
 class Watchdog:
-    """`beat()` is implicit (a thread); the trainer wraps each step in `watch(step)`."""
+    """A thread beats and watches; the trainer marks each step with `begin` and `end`."""
 
     def __init__(self, rank: int, world: int, factor: float, min_s: float,
                  interval_s: float = 5.0, store=None, exit_fn=None, run_dir=None):
@@ -58,7 +58,7 @@ class Watchdog:
         self.step = 0
         self.durations: List[float] = []
         self._started: Optional[float] = None
-        self._what = ""
+        self._what, self._timed = "", True
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._exit = exit_fn or _leave
@@ -123,25 +123,37 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - timed out: the store's host process is silent
             return (f"{head}; the job's store (hosted by rank 0's process, "
                     f"{os.environ.get('MASTER_ADDR')}) does not answer: rank 0 is silent")
-        line = silent_ranks(beats, self.step, self.interval_s)
-        stopped = stopped_hosts(beats, self.interval_s)
-        if stopped and self.rank == min(set(range(self.world)) - set(stopped)):
-            suspects.note(self.run_dir, stopped.values(), f"heartbeat stopped: {line}")
+        now = time.time()
+        line = silent_ranks(beats, self.step, self.interval_s, now)
+        hosts = {r: b["host"] for r, b in _stopped(_parsed(beats), now, self.interval_s)
+                 if b is not None}  # the node of one that never beat is unknown
+        if hosts and self.rank == min(set(range(self.world)) - set(hosts)):
+            suspects.note(self.run_dir, hosts.values(), f"heartbeat stopped: {line}")
         return f"{head}; {line}"
+
+
+def _parsed(beats: list) -> list:
+    """[(rank, heartbeat or None)] from every rank's heartbeat (bytes of JSON, or empty)."""
+    out = []
+    for rank, raw in enumerate(beats):
+        try:
+            out.append((rank, json.loads(raw)))
+        except (ValueError, TypeError):
+            out.append((rank, None))
+    return out
+
+
+def _stopped(parsed: list, now: float, interval_s: float) -> list:
+    return [(r, b) for r, b in parsed if b is None or now - b["t"] > STALE_BEATS * interval_s]
 
 
 def silent_ranks(beats: list, my_step: int, interval_s: float, now: Optional[float] = None
                  ) -> str:
-    """Which ranks to blame, from every rank's heartbeat (bytes of JSON, or empty): those whose
-    heartbeat stopped, else those behind in the steps."""
+    """Which ranks to blame, from every rank's heartbeat: those whose heartbeat stopped, else
+    those behind in the steps, else those in another phase."""
     now = time.time() if now is None else now
-    parsed = []
-    for rank, raw in enumerate(beats):
-        try:
-            parsed.append((rank, json.loads(raw)))
-        except (ValueError, TypeError):
-            parsed.append((rank, None))
-    stopped = [(r, b) for r, b in parsed if b is None or now - b["t"] > STALE_BEATS * interval_s]
+    parsed = _parsed(beats)
+    stopped = _stopped(parsed, now, interval_s)
     if stopped:
         return "silent: " + _listed(stopped, now, "no heartbeat for")
     behind = [(r, b) for r, b in parsed if b["step"] < my_step]
@@ -153,20 +165,6 @@ def silent_ranks(beats: list, my_step: int, interval_s: float, now: Optional[flo
     if elsewhere:
         return f"elsewhere (the others in '{common}'): " + _listed(elsewhere, now, "heartbeat")
     return f"every rank's heartbeat is recent, all in '{common}'"
-
-
-def stopped_hosts(beats: list, interval_s: float, now: Optional[float] = None) -> dict:
-    """{rank: node} of the ranks whose heartbeat stopped (those that never beat: unknown)."""
-    now = time.time() if now is None else now
-    out = {}
-    for rank, raw in enumerate(beats):
-        try:
-            beat = json.loads(raw)
-        except (ValueError, TypeError):
-            continue
-        if now - beat["t"] > STALE_BEATS * interval_s:
-            out[rank] = beat["host"]
-    return out
 
 
 def _listed(entries, now: float, age: str) -> str:

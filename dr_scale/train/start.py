@@ -103,7 +103,10 @@ def start_lines(plan, group, shape, facts: RunFacts, kernels_line: str, sources,
     yield from slurm_lead.lead_lines(facts.parameters, 4 if deepspeed.precision == "fp32" else 2,
                                      max(1, t.world // group.local_world),
                                      c.train.checkpoint_write_gbps,
-                                     grace_s=slurm_lead.grace_time_s())
+                                     # one scontrol call a job, not one a rank: rank 0 alone
+                                     # prints these lines
+                                     grace_s=slurm_lead.grace_time_s()
+                                     if t.rank == 0 else None)
     yield from (f"warning: {w}" for w in sources.warnings)
 
 
