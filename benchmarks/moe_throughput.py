@@ -13,11 +13,10 @@ Writes results.jsonl and results.md; the CPU model heads both.
 """
 import argparse
 import os
-import statistics
 import tempfile
 
 from bench_results import write_results
-from throughput import run_point
+from throughput import medians, percent, run_point
 
 PAIR = ("tiny", "moe_tiny")  # dense first
 
@@ -53,24 +52,24 @@ def main(argv=None):
                                 a.micro_batch, extra, work)
                 points[label].append(row)
                 print(f"  repeat {repeat + 1} {label}: {row['tokens_per_s']:,.0f} tokens/s, "
-                      f"MFU {100 * row['mfu']:.2f}%", flush=True)
+                      f"MFU {percent(row['mfu'])}", flush=True)
     rows = []
     for label, runs in points.items():
-        rows.append({"preset": label, "parameters": runs[0]["parameters"],
-                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-                     "mfu": statistics.median(r["mfu"] for r in runs),
-                     "peak_tflops": runs[0]["peak_tflops"], "repeats": len(runs)})
+        row = medians(runs)  # MFU over the row's one peak, as each run's is
+        rows.append({"preset": label, "parameters": row["parameters"],
+                     "tokens_per_s": row["tokens_per_s"], "mfu": row["mfu"],
+                     "peak_tflops": row["peak_tflops"], "repeats": len(runs)})
     dense = rows[0]
     for row in rows:
         row["tokens_per_s_vs_dense"] = round(row["tokens_per_s"] / dense["tokens_per_s"], 3)
     for row in rows[1:]:
         print(f"{row['preset']} / {PAIR[0]}: tokens/s {row['tokens_per_s_vs_dense']}x, MFU "
-              f"{100 * row['mfu']:.2f}% vs {100 * dense['mfu']:.2f}%")
+              f"{percent(row['mfu'])} vs {percent(dense['mfu'])}")
     write_results(a.out, rows, f"# MoE vs dense of the same active parameters, {a.ds_config}, "
                   f"{a.ranks} rank(s), {a.micro_batch} x {a.seq_length} tokens ({where})",
                   [("preset", "preset"), ("parameters", "parameters"),
                    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
-                   ("MFU", lambda r: f"{100 * r['mfu']:.2f}%"),
+                   ("MFU", lambda r: percent(r["mfu"])),
                    ("tokens/s vs dense", "tokens_per_s_vs_dense"), ("repeats", "repeats")],
                   dict(cpu=where, ds_config=a.ds_config, ranks=a.ranks))
 

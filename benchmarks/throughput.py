@@ -45,6 +45,22 @@ def _run(cmd, ranks, what):
     return proc
 
 
+def utilisation(train, info) -> dict:
+    """The row's MFU and HFU over the one peak the row carries: the run's last (a peak measured
+    again during the run replaces the start line's, and every record carries the one it used),
+    so mfu = tflops / peak_tflops holds within the row. None where the peak was unreliable."""
+    peak = train[-1]["peak_tflops"]
+    source = info["peak_flops"]["source"]
+    if peak != info["peak_flops"]["value"] / 1e12:
+        source += f"; measured again during the run ({peak:.4f} TFLOP/s)"
+    tflops = statistics.median(r["tflops"] for r in train)
+    reliable = all("mfu" in r for r in train)
+    hardware = statistics.median(r["hfu"] * r["peak_tflops"] for r in train) if reliable else 0
+    return {"mfu": tflops / peak if reliable else None,
+            "hfu": hardware / peak if reliable else None,
+            "peak_tflops": peak, "peak_source": source}
+
+
 def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_interval=5):
     """One dr_scale training job; the medians of its training records after the first window."""
     # A fresh folder per point: a sweep may repeat a point (A/B runs) and a config may be a path.
@@ -66,11 +82,9 @@ def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_i
     info = json.loads((run_dir / "run.json").read_text())
     row = {"preset": preset, "ds_config": ds_config, "ranks": ranks, "seq_length": seq,
            "micro_batch_size": micro, "tokens_per_s": med("tokens_per_s"),
-           "tflops": med("tflops"), "mfu": med("mfu"), "hfu": med("hfu"),
+           "tflops": med("tflops"), **utilisation(train, info),
            "mem_peak_bytes": max(r["mem_peak_bytes"] for r in train),
            "step_time_s": med("step_time_s"),
-           "peak_tflops": info["peak_flops"]["value"] / 1e12,
-           "peak_source": info["peak_flops"]["source"],
            "vocab_size": info["model"]["shape"]["vocab_size"],
            "parameters": info["model"]["parameters"],
            "last_loss": [r for r in recs if "tokens_per_s" in r][-1]["loss"]}
@@ -146,9 +160,13 @@ def table(rows) -> str:
         est_s = f"{est / 2**20:,.0f}" if est else "-"
         lines.append(
             f"| {r['label']} | {r['tokens_per_s']:,.0f} | {peer_s} | {ratio} | "
-            f"{r['tflops']:.4f} | {100 * r['mfu']:.1f}% | {100 * r['hfu']:.1f}% | {split} | "
+            f"{r['tflops']:.4f} | {percent(r['mfu'])} | {percent(r['hfu'])} | {split} | "
             f"{r['mem_peak_bytes'] / 2**20:,.0f} | {est_s} |")
     return "\n".join(lines)
+
+
+def percent(share) -> str:
+    return "n/a (peak unreliable)" if share is None else f"{100 * share:.1f}%"
 
 
 def main(argv=None):
@@ -214,7 +232,7 @@ def main(argv=None):
                     peers.append(run_peer(preset, ds, a.ranks, a.steps, seq, micro,
                                           runs[modes[0]][-1]["vocab_size"], work))
             for mode in modes:
-                row = _medians(runs[mode])
+                row = medians(runs[mode])
                 row.update(label=label + ("" if mode == "false" else f" compile={mode}"),
                            layout=layout, tensor_parallel=tp, pipeline_parallel=pp,
                            activation_checkpointing=ckpt, attention=attn, compile=mode,
@@ -233,20 +251,28 @@ def main(argv=None):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     md = table(rows)
-    peak = rows[0]["peak_source"] if rows else ""
-    (out / "results.md").write_text(f"{md}\n\nMFU/HFU denominator: {peak}\n")
+    peaks = sorted({f"{r['peak_tflops']:.4f} TFLOP/s per rank, {r['peak_source']}" for r in rows})
+    (out / "results.md").write_text(f"{md}\n\nMFU/HFU denominator: {'; '.join(peaks)}\n")
     plot(rows, out)
     print(f"\n{md}\n\nwrote {out / 'results.jsonl'}, results.md, throughput.png, memory.png")
 
 
-def _medians(runs: list) -> dict:
+def medians(runs: list) -> dict:
     """One row from repeated runs of a point: the median of each figure (the peak: the
     largest)."""
     row = dict(runs[0])
     for key, value in runs[0].items():
-        if isinstance(value, float) and key != "peak_tflops":
+        if isinstance(value, float) and key not in ("peak_tflops", "mfu", "hfu"):
             row[key] = statistics.median(r[key] for r in runs)
     row["mem_peak_bytes"] = max(r["mem_peak_bytes"] for r in runs)
+    best = max(runs, key=lambda r: r["peak_tflops"])
+    row["peak_tflops"], row["peak_source"] = best["peak_tflops"], best["peak_source"]
+    if all(r["mfu"] is not None for r in runs):  # over the row's one peak, as in each run
+        row["mfu"] = row["tflops"] / row["peak_tflops"]
+        row["hfu"] = statistics.median(r["hfu"] * r["peak_tflops"] for r in runs) \
+            / row["peak_tflops"]
+    else:
+        row["mfu"] = row["hfu"] = None
     return row
 
 

@@ -1,7 +1,8 @@
 """The figures of a training record: the window's loss over every rank, throughput (tokens/s,
 model and hardware TFLOP/s per rank, MFU and HFU against the peak), the fullest rank's peak
-memory. A figure that cannot be true is not printed: MFU above 100% measures the peak again
-(train/peak_flops.py), and a peak still too low is reported unreliable, its MFU left out."""
+memory. A figure that cannot be true is not printed: a utilisation the peak makes implausible
+measures the peak again (train/peak_flops.py), and a peak still too low (MFU above 100%) is
+reported unreliable, its MFU left out. Each record's MFU is its TFLOP/s over the peak it carries."""
 from typing import Callable, List
 
 import torch
@@ -43,13 +44,14 @@ class StepMetrics:
         must stay at or below 1); {} once the peak is unreliable."""
         peak = self.peak
         was_reliable, was_remeasured, before = not peak.unreliable, peak.remeasured, peak.value
-        if not peak.check(hardware_flops / peak.value) and was_reliable:
+        hfu = hardware_flops / peak.value
+        if not peak.check(hfu) and was_reliable:
             self.log(f"MFU not reported from step {step} on: above 100% even after measuring "
                      f"the peak again ({peak.source})")
         elif peak.remeasured and not was_remeasured:  # the start line's figure is replaced
             self.log(f"peak (MFU's denominator) measured again at step {step}: "
-                     f"{peak.value / 1e12:.3f} TFLOP/s per rank, was {before / 1e12:.3f} (MFU "
-                     "above 100% against it)")
+                     f"{peak.value / 1e12:.3f} TFLOP/s per rank, was {before / 1e12:.3f} (HFU "
+                     f"{100 * hfu:.0f}% against it)")
         if peak.unreliable:
             return {}
         return {"mfu": flops / peak.value, "hfu": hardware_flops / peak.value}
