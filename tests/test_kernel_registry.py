@@ -34,8 +34,11 @@ def test_auto_on_cpu_picks_torch_and_never_the_interpreter():
 
 
 def test_forced_choice_is_used_by_the_model_ops():
-    ops.use_kernels("cpu", torch.float32, {"cross_entropy": "triton_fused"})
-    logits, labels = torch.randn(6, 300), torch.randint(0, 300, (6,))
+    # on a GPU machine the tests run Triton for real (no interpreter): its tensors live there
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ops.use_kernels(device, torch.float32, {"cross_entropy": "triton_fused"})
+    logits = torch.randn(6, 300, device=device)
+    labels = torch.randint(0, 300, (6,), device=device)
     assert torch.allclose(ops.cross_entropy(logits, labels),
                           reference.cross_entropy(logits, labels), rtol=1e-5)
     assert ops._chosen["cross_entropy"].name == "triton_fused"

@@ -124,6 +124,19 @@ def test_outside_the_policy_is_one_line():
         flash_attention(*(torch.randn(1, n, 8, 64, device=DEVICE) for n in (3, 2, 2)))
 
 
+def test_the_interpreter_refuses_the_versions_it_cannot_run_in_one_line():
+    """Triton 3.6 (torch 2.11's) interpreter beside NumPy 2.4 fails inside every kernel with a
+    loop over key blocks (triton-lang/triton#9171); the kernels say so before launching."""
+    from dr_scale.kernels.triton import interpreter_conflict
+
+    assert interpreter_conflict("3.6.0", "2.4.1") == (
+        "the Triton 3.6.0 interpreter cannot run beside NumPy 2.4.1 (triton-lang/triton#9171, "
+        "fixed in Triton 3.7): install 'numpy<2.4' or 'triton>=3.7'")
+    for triton_version, numpy_version in (("3.6.0", "2.3.5"), ("3.7.0", "2.4.1"),
+                                          ("3.9.0+git1", "2.4.0"), ("3.6.0", "1.26.4")):
+        assert interpreter_conflict(triton_version, numpy_version) is None
+
+
 def test_tiny_model_trains_with_triton_kernels_like_sdpa(cache_dir, tmp_path):
     """The tiny preset through the real launcher with model.attention=triton_flash and the fused
     cross-entropy (interpreter on CPU), against the same run with SDPA and the torch loss."""

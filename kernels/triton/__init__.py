@@ -12,12 +12,32 @@ from dr_scale.kernels import policy
 def unavailable_reason():
     """None where Triton kernels can run, else why not."""
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return "triton is not installed (pip install triton)"
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.cuda.is_available():
         return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import numpy
+
+        return interpreter_conflict(triton.__version__, numpy.__version__)
     return "needs a CUDA device, or TRITON_INTERPRET=1 to run on CPU through the interpreter"
+
+
+def _release(version: str) -> tuple:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def interpreter_conflict(triton_version: str, numpy_version: str):
+    """Why the interpreter cannot run these versions, or None. Triton's interpreter before 3.7
+    turns one-element arrays into loop bounds with int(), which NumPy 2.4 refuses (every kernel
+    with a data-dependent loop fails: triton-lang/triton#9171, fixed in 3.7; torch 2.11 pairs
+    with Triton 3.6)."""
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"the Triton {triton_version} interpreter cannot run beside NumPy "
+                f"{numpy_version} (triton-lang/triton#9171, fixed in Triton 3.7): install "
+                f"'numpy<2.4' or 'triton>=3.7'")
+    return None
 
 
 def _check_device(op, *tensors):
