@@ -2,9 +2,7 @@
 # The offline wheelhouse the GPU check installs from, made here (where the package registry is
 # reachable), for a GPU machine that reaches nothing:
 #   bash benchmarks/gpu_wheels.sh            (writes .whl/, ignored by git)
-# The GPU image (CPython 3.12, torch with CUDA, Triton, transformers, sentencepiece, safetensors,
-# numpy, pyyaml, einops, msgpack, ninja, psutil, py-cpuinfo, tqdm, packaging, matplotlib,
-# tokenizers, typing-extensions) lacks DeepSpeed and DeepSpeed's hjson and pydantic (with
+# The GPU image (CPython 3.12 and the packages of benchmarks/gpu_image.txt) lacks DeepSpeed and DeepSpeed's hjson and pydantic (with
 # pydantic-core, annotated-types, typing-inspection). DeepSpeed ships no wheel: it is built here
 # as a pure one (its ops build at first use). The versions are this environment's, the ones the
 # CPU suite ran. Checked before it says done: every wheel installs for the target (pip's dry run
@@ -35,7 +33,7 @@ $PY -m pip wheel -q --no-deps --no-build-isolation -w "$WHL" .
 echo "gpu_wheels: checking the wheelhouse against the target"
 $PY -m pip install -q --dry-run --ignore-installed --no-index --no-deps --find-links "$WHL" \
     "${TARGET[@]}" --target /tmp/gpu_wheels_dry_run "$WHL"/*.whl
-$PY - "$WHL" <<'EOF'
+$PY - "$WHL" benchmarks/gpu_image.txt <<'EOF'
 """Every requirement of the wheels (extras aside) is met by the image or the wheelhouse."""
 import sys
 import zipfile
@@ -45,11 +43,10 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-# The GPU image's packages this needs, as its package list names them
-# (/work/.library/device/KINDS.md, read 2026-11-17).
-IMAGE = {canonicalize_name(n) for n in """torch triton transformers sentencepiece safetensors
-    numpy pyyaml einops msgpack ninja psutil py-cpuinfo tqdm packaging matplotlib tokenizers
-    typing-extensions nvidia-ml-py huggingface-hub filelock regex requests""".split()}
+# The GPU image's packages (benchmarks/gpu_image.txt: one place for them)
+IMAGE = {canonicalize_name(Requirement(line).name)
+         for line in Path(sys.argv[2]).read_text().splitlines()
+         if line.strip() and not line.startswith("#")}
 env = dict(default_environment(), python_version="3.12", python_full_version="3.12.3",
            sys_platform="linux", platform_system="Linux", platform_machine="x86_64",
            implementation_name="cpython", extra="")
