@@ -13,13 +13,20 @@ import torch
 import torch.nn.functional as F
 
 
+def _in(dtype, t: torch.Tensor) -> torch.Tensor:
+    """`t` in `dtype`, converted only where it differs: under torch.compile in torch 2.11, an
+    autograd.Function whose forward returned a same-dtype .to() of its result got all-zero
+    gradients for every input (silently; measured on RMSNorm's fp32 path, right in 2.13)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # fp32, one per row
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd * weight.float()).to(x.dtype)
+        return _in(x.dtype, x32 * rstd * weight.float())
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -69,7 +76,7 @@ class _LayerNorm(torch.autograd.Function):
         b32 = None if bias is None else bias.float()
         out, mean, rstd = torch.native_layer_norm(x.float(), shape, w32, b32, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return out.to(x.dtype)
+        return _in(x.dtype, out)
 
     @staticmethod
     def backward(ctx, grad_out):
