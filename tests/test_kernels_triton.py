@@ -16,6 +16,7 @@ def assert_close(got, want, dtype, pol, what):
     assert err <= atol * max(1.0, scale) + rtol * scale, f"{what}: max error {err:.2e} (scale {scale:.2e})"
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("b, h, kvh, s, d, causal, dtype", [
     (1, 2, 2, 64, 64, True, torch.float32),      # block multiple
     (2, 4, 2, 33, 64, True, torch.float32),      # grouped-query, odd length
@@ -46,6 +47,7 @@ def test_flash_attention_matches_reference(b, h, kvh, s, d, causal, dtype):
         assert_close(got, want, dtype, pol, name)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("sq, sk", [(20, 45), (45, 20), (33, 64)])
 def test_unequal_query_and_key_lengths(sq, sk):
     """The reference equals fp64 SDPA (top-left causal mask) when query and key lengths differ,
@@ -124,6 +126,7 @@ def test_outside_the_policy_is_one_line():
         flash_attention(*(torch.randn(1, n, 8, 64, device=DEVICE) for n in (3, 2, 2)))
 
 
+@pytest.mark.smoke
 def test_the_interpreter_refuses_the_versions_it_cannot_run_in_one_line():
     """Triton 3.6 (torch 2.11's) interpreter beside NumPy 2.4 fails inside every kernel with a
     loop over key blocks (triton-lang/triton#9171); the kernels say so before launching."""

@@ -96,6 +96,7 @@ def test_reference_learns(reference):
 
 
 # TP 2 under ZeRO-1 trains in the sequence-parallel and the pipeline (1-2-2) cases below
+@pytest.mark.smoke
 @pytest.mark.parametrize("stage", [3])
 def test_tensor_parallel_2_equals_one_rank(reference, tmp_path, cache_dir, stage):
     """ZeRO-3 with the loss fused over each rank's vocabulary slice, 64 tokens a chunk (four
