@@ -167,7 +167,13 @@ part_llama_1b() {
 dry_run() {  # all but the GPU, here: each step says what it proved
     set -e
     local image="$WORK/image" py312 nodes
-    py312=${IMAGE_PYTHON:-$(command -v python3.12 || ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
+    py312=${IMAGE_PYTHON:-}
+    if [ -z "$py312" ]; then  # the first that runs (a pyenv shim may exist and refuse)
+        for candidate in $(ls -d /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null) \
+                         $(command -v python3.12); do
+            "$candidate" --version >/dev/null 2>&1 && { py312=$candidate; break; }
+        done
+    fi
     [ -n "$py312" ] || { echo "gpu_check --dry-run: no Python 3.12 here (the GPU image's); set IMAGE_PYTHON" >&2; exit 2; }
     ls .whl/*.whl >/dev/null 2>&1 || { echo "gpu_check --dry-run: no .whl/ here: bash benchmarks/gpu_wheels.sh makes it" >&2; exit 2; }
     rm -rf "$WORK" && mkdir -p "$WORK"
@@ -193,8 +199,12 @@ print('  torch', torch.__version__, '| triton', triton.__version__, '| transform
       ', '.join(sources), '(built on the GPU machine: nvcc compile-checks them in the CPU tests)')"
     echo "dry run 3/4: each part's commands resolve"
     $PY launchers/pretrain.py --help >/dev/null
-    $PY -m dr_scale.cli estimate --ds_config zero3 --device cuda --ranks 1 "${SHORT[@]}" \
-        | tail -1 | sed 's/^/  launch: the config resolves; /'
+    $PY -m dr_scale.cli estimate --ds_config zero3 --device cuda --ranks 1 "${SHORT[@]}" --json \
+        2>/dev/null | $PY -c "
+import json, sys
+e = json.load(sys.stdin)
+print(f'  launch: its config resolves: {e[\"preset\"]}, {e[\"ds_config\"]}, estimated peak '
+      f'{e[\"bytes_per_rank\"][\"peak\"] / 2**20:.0f} MiB a GPU')"
     for cmd in export eval; do $PY -m dr_scale.cli $cmd --help >/dev/null; done
     $PY benchmarks/kernel_speed.py --help >/dev/null
     $PY benchmarks/throughput.py --help >/dev/null
