@@ -113,7 +113,10 @@ install_wheelhouse() {
     # Commands run from the checkout, whose dr_scale/ comes first on sys.path and shadows the
     # installed copy; the links give it the two folders setup.py maps into the package, as a
     # developer's editable install does.
-    for d in kernels ds_configs; do [ -e "dr_scale/$d" ] || ln -s "../$d" "dr_scale/$d"; done
+    LINKED=()
+    for d in kernels ds_configs; do
+        [ -e "dr_scale/$d" ] || { ln -s "../$d" "dr_scale/$d"; LINKED+=("dr_scale/$d"); }
+    done
     missing=$($PY -c "
 import importlib.util
 names = ['deepspeed', 'hjson', 'pydantic', 'sentencepiece', 'safetensors', 'transformers',
@@ -184,6 +187,9 @@ dry_run() {  # all but the GPU, here: each step says what it proved
     export PY
     echo "dry run 2/4: prepare's install: .whl/ and this checkout with no index, no dependencies"
     install_wheelhouse
+    # the links prepare leaves in a throwaway copy would change this checkout's own imports
+    # (an editable install maps those folders itself): gone when the dry run ends
+    trap 'rm -f "${LINKED[@]}"' EXIT
     [ "$(command -v deepspeed)" = "$WORK/site/bin/deepspeed" ] \
         || { echo "deepspeed resolves to $(command -v deepspeed), not the wheelhouse's"; exit 1; }
     $PY -c "

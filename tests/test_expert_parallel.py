@@ -66,11 +66,17 @@ def test_layouts_give_the_same_losses(ep_runs):
         # step in every layout (to ~72, led by the embedding and layer 0's attention; the dense
         # tiny preset has no such step), and the rounding grows there to 1.4e-5 in the loss and
         # 6% in that norm (two 1-rank runs with other thread counts: 2.6e-6 in the loss).
+        # The gradient norms are compared before that step only: at it the norm is the
+        # rounding's amplifier (0.3% apart with ATen and oneDNN capped at AVX2 while the losses
+        # still agreed within 1e-6).
+        sensitive = next((s for s in sorted(want)[1:]
+                          if want[s]["grad_norm"] > 10 * want[s - 1]["grad_norm"]), 7)
         agreeing = 0
         for step in sorted(got):
             r, w = got[step], want[step]
             assert r["loss"] == pytest.approx(w["loss"], rel=1e-4), (name, step)
-            if agreeing == step - 1 and r["loss"] == pytest.approx(w["loss"], rel=1e-6):
+            if step < sensitive and agreeing == step - 1 and \
+                    r["loss"] == pytest.approx(w["loss"], rel=1e-6):
                 agreeing = step
                 # experts' gradients scaled by the wrong group size would move it far more
                 assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3), (name, step)
