@@ -78,15 +78,18 @@ class FileLedger:
 
 
 def expert_writer(topology):
-    """Which ranks of an expert-data group write (expert parallelism): one per tensor rank.
-    DeepSpeed's save lets only the group's rank 0 write, and under tensor parallelism the group
-    holds the tensor group's ranks (TP-strided, parallel/topology.py), so the other tensor ranks
-    would write neither their copy of the experts nor their model-states file, which the load
-    needs one of per tensor rank. Its ranks run data-fastest: DP/EP of them per tensor rank."""
+    """Whether this rank writes for its expert-data group (expert parallelism): one rank per
+    tensor rank, the first data-parallel replica of its experts. DeepSpeed's save lets only the
+    group's rank 0 write, and under tensor parallelism the group holds the tensor group's ranks
+    too, so the other tensor ranks would write neither their copy of the experts nor their
+    model-states file, which the load needs one of per tensor rank. Decided by this rank's own
+    place, not by the rank number DeepSpeed passes: torch numbers a group's ranks in sorted
+    order, not in the order they were listed (8 ranks, TP 2 x EP 2: the group {0, 4, 1, 5}
+    numbers 0, 1, 4, 5, and the arithmetic on its numbers chose two tensor-rank-0 writers)."""
     if not topology.experts_split:
         return None
-    per_tensor_rank = topology.data // topology.expert
-    return lambda edp_rank: edp_rank % per_tensor_rank == 0
+    first_replica = topology.data_rank < topology.expert  # experts: data_rank % expert
+    return lambda _group_rank: first_replica
 
 
 class CheckpointWriter:
