@@ -32,8 +32,14 @@ USER_INDUCTOR_CACHE = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 def use_inductor_cache(cache_dir: str) -> Path:
     """Inductor's compiled code kept in the run's cache folder (TORCHINDUCTOR_CACHE_DIR set
-    before the launch wins)."""
-    path = USER_INDUCTOR_CACHE or str(Path(cache_dir).expanduser() / "inductor")
+    before the launch wins, unless it is inductor's own default: a process forked after
+    inductor was imported inherits that as if a user had set it, and /tmp/torchinductor_<user>
+    is shared by every torch on the machine; a CI run's compiled ranks failed there to build the
+    precompiled header another torch had left)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    user = USER_INDUCTOR_CACHE if USER_INDUCTOR_CACHE != default_cache_dir() else None
+    path = user or str(Path(cache_dir).expanduser() / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     return Path(path)
 
