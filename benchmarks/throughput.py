@@ -53,12 +53,18 @@ def utilisation(train, info) -> dict:
     source = info["peak_flops"]["source"]
     if peak != info["peak_flops"]["value"] / 1e12:
         source += f"; measured again during the run ({peak:.4f} TFLOP/s)"
-    tflops = statistics.median(r["tflops"] for r in train)
     reliable = all("mfu" in r for r in train)
-    hardware = statistics.median(r["hfu"] * r["peak_tflops"] for r in train) if reliable else 0
-    return {"mfu": tflops / peak if reliable else None,
-            "hfu": hardware / peak if reliable else None,
-            "peak_tflops": peak, "peak_source": source}
+    return {**over_one_peak(train, peak, reliable), "peak_tflops": peak, "peak_source": source}
+
+
+def over_one_peak(figures, peak: float, reliable: bool) -> dict:
+    """{mfu, hfu} of the median TFLOP/s (model and hardware) of `figures` (records or rows,
+    each with its own peak_tflops) over `peak`; None where a peak was unreliable."""
+    if not reliable:
+        return {"mfu": None, "hfu": None}
+    hardware = statistics.median(f["hfu"] * f["peak_tflops"] for f in figures)
+    return {"mfu": statistics.median(f["tflops"] for f in figures) / peak,
+            "hfu": hardware / peak}
 
 
 def run_point(preset, ds_config, ranks, steps, seq, micro, extra, workdir, log_interval=5):
@@ -267,12 +273,8 @@ def medians(runs: list) -> dict:
     row["mem_peak_bytes"] = max(r["mem_peak_bytes"] for r in runs)
     best = max(runs, key=lambda r: r["peak_tflops"])
     row["peak_tflops"], row["peak_source"] = best["peak_tflops"], best["peak_source"]
-    if all(r["mfu"] is not None for r in runs):  # over the row's one peak, as in each run
-        row["mfu"] = row["tflops"] / row["peak_tflops"]
-        row["hfu"] = statistics.median(r["hfu"] * r["peak_tflops"] for r in runs) \
-            / row["peak_tflops"]
-    else:
-        row["mfu"] = row["hfu"] = None
+    # over the row's one peak, as in each run
+    row.update(over_one_peak(runs, row["peak_tflops"], all(r["mfu"] is not None for r in runs)))
     return row
 
 

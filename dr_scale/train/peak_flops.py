@@ -153,9 +153,8 @@ def _cached(key: str) -> Tuple[float, float]:
 
 
 def _store(key: str, peak: float, share: float) -> float:
-    """Keep the higher of the cached and the new figure under `key` (with the share the kept one
-    was measured with: a higher figure from busier cores is still the better lower bound);
-    returns the kept figure."""
+    """Keep the higher of the cached and the new figure under `key`, with the larger share (a
+    cached figure a new measurement cannot beat stands confirmed); returns the kept figure."""
     cached, cached_share = _cached(key)
     if cached > peak:
         peak, share = cached, max(cached_share, share)
