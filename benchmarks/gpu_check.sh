@@ -125,7 +125,8 @@ print(' '.join(n for n in names if importlib.util.find_spec(n) is None))")
     [ -z "$missing" ] || { echo "missing on this machine: $missing (carry them in .whl/)"; exit 1; }
 }
 
-tests_deselected() { for t in "${CPU_ONLY[@]}"; do echo --deselect "$t"; done; }
+# one argument a line: the tests part reads them with mapfile
+tests_deselected() { for t in "${CPU_ONLY[@]}"; do printf '%s\n' --deselect "$t"; done; }
 
 part_tests() {
     mapfile -t deselect < <(tests_deselected)
