@@ -85,7 +85,7 @@ def run(plan: RunPlan):
         (lambda opt: build_scheduler(opt, plan.cfg.train))
     warm_imports.finish()
     engine = initialize_engine(parallel.model, group.ds, plan.cfg.train, scheduler,  # engine
-                               deepspeed.path, parallel.mpu)
+                               deepspeed.path, parallel.mpu, group.topology.tensor_group)
     parallel.after_engine(engine)
     trainer = Trainer(plan, group, engine, sources, logger, facts)                    # trainer
     if resume:

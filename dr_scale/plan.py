@@ -81,7 +81,7 @@ def check(args) -> RunPlan:
     par.refusals(shape, topo, cfg, deepspeed)
     check_kernels(shape, cfg, device_type, deepspeed.precision)
     nvme_offload.check_system(deepspeed.filled, deepspeed.source)
-    callbacks = build_callbacks(cfg.callbacks, topo)
+    callbacks = build_callbacks(cfg.callbacks, topo, deepspeed.optimizer)
     data = plan_data(cfg.data, run_dir if resume else None)
     if data.vocab_size is not None:  # a model.vocab_size smaller than the tokenizer's
         shape = dataclasses.replace(shape, vocab_size=vocab_for(cfg.model, data.vocab_size))

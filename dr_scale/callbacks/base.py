@@ -55,6 +55,7 @@ class Callback:
     Options = NoOptions               # typed `callbacks.<name>.*` keys
     # Why it cannot run under DeepSpeed's pipeline engine (None: it can).
     not_with_pipeline: Optional[str] = None
+    not_with_muon: Optional[str] = None  # why it cannot run beside optimizer Muon, if it cannot
 
     @classmethod
     def options(cls, **values) -> Section:

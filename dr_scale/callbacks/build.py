@@ -9,9 +9,10 @@ from dr_scale.errors import DrScaleError
 from dr_scale.registry import CALLBACK_REGISTRY
 
 
-def build_callbacks(callbacks_cfg, topology=None) -> List[Callback]:
+def build_callbacks(callbacks_cfg, topology=None, optimizer: str = "adamw") -> List[Callback]:
     """Instantiate `callbacks.<name>` entries whose `enabled` is true; refuse, in one line, one
-    that cannot run under a pipeline of `pipeline` stages."""
+    that cannot run under a pipeline of `pipeline` stages, or beside `optimizer` (the
+    DeepSpeedView's name of it)."""
     out = []
     for name, opts in (callbacks_cfg or {}).items():
         if opts is None:
@@ -32,5 +33,8 @@ def build_callbacks(callbacks_cfg, topology=None) -> List[Callback]:
         if topology is not None and topology.pipelined and cls.not_with_pipeline:
             raise DrScaleError(f"callbacks.{name}: not available with parallel.pipeline_parallel="
                                f"{topology.pipeline} ({cls.not_with_pipeline})")
+        if optimizer == "muon" and cls.not_with_muon:
+            raise DrScaleError(f"callbacks.{name}: not available with optimizer Muon "
+                               f"({cls.not_with_muon})")
         out.append(cls.from_options(options))
     return sorted(out, key=lambda cb: cb.order)

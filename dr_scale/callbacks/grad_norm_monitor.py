@@ -9,7 +9,7 @@ Training records then carry `grad_norm_total` and `grad_norm_top` ([[name, norm]
 from dataclasses import dataclass
 
 from dr_scale.callbacks.base import Callback
-from dr_scale.callbacks.per_layer_clip import BETWEEN_BACKWARD_AND_STEP
+from dr_scale.callbacks.per_layer_clip import BETWEEN_BACKWARD_AND_STEP, READS_REDUCED_GRADIENTS
 from dr_scale.compat.grads import grad_norms, local_grads
 from dr_scale.config.typed import Section, field
 from dr_scale.registry import CALLBACK_REGISTRY
@@ -25,6 +25,7 @@ class GradNormMonitor(Callback):
     name = "grad_norm_monitor"
     Options = GradNormMonitorOptions
     not_with_pipeline = BETWEEN_BACKWARD_AND_STEP
+    not_with_muon = READS_REDUCED_GRADIENTS
     order = -10  # before per_layer_clip in the same after_backward: it sees unclipped gradients
 
     def __init__(self, top_k: int = 5):

@@ -21,6 +21,10 @@ from dr_scale.registry import CALLBACK_REGISTRY
 
 DEFAULT_EXEMPT = ("*bias", "*norm*", "*.ln_*")
 
+# DeepSpeed's ZeRO writes Muon's orthogonalised update where the reduced gradient was, before
+# the step (parallel/muon.py): what these callbacks would read and scale is not a gradient
+READS_REDUCED_GRADIENTS = ("DeepSpeed's ZeRO keeps Muon's orthogonalised update where the "
+                           "reduced gradient was, so it would act on updates, not gradients")
 BETWEEN_BACKWARD_AND_STEP = ("it acts between backward and the optimizer step, which DeepSpeed's "
                              "pipeline engine runs in one call")
 
@@ -57,6 +61,7 @@ class PerLayerClip(Callback):
     name = "per_layer_clip"
     Options = PerLayerClipOptions
     not_with_pipeline = BETWEEN_BACKWARD_AND_STEP
+    not_with_muon = READS_REDUCED_GRADIENTS
 
     def __init__(self, max_norm: float = 1.0, exempt: Sequence[str] = DEFAULT_EXEMPT):
         o = self.options(max_norm=max_norm, exempt=list(exempt) if isinstance(

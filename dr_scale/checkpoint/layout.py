@@ -145,6 +145,12 @@ def saved_parallel_layout(tag_dir: Path) -> tuple:
     return max(1, len(tensor_ranks(tag_dir))), 1, 1
 
 
+def saved_optimizer(tag_dir: Path) -> str:
+    """The optimizer whose state the checkpoint holds, as config/ds_config.optimizer_type names
+    it (checkpoints older than that field: "adamw", the only one then)."""
+    return _rank0_state(tag_dir).get("optimizer", "adamw")
+
+
 def saved_sub_group_size(tag_dir: Path) -> int:
     """The zero_optimization.sub_group_size the checkpoint was written with (checkpoints older
     than that field: DeepSpeed's default, which the bundled configs then kept)."""
@@ -232,16 +238,19 @@ class WrittenLayout:
     layout, ZeRO-3's sub-group size): read by `saved_*` above, by load.py's shape check and by
     resharding, never restored."""
 
-    def __init__(self, topology: Topology, model_signature: dict, zero_sub_group_size: int):
+    def __init__(self, topology: Topology, model_signature: dict, zero_sub_group_size: int,
+                 optimizer: str = "adamw"):
         self.topology, self.model_signature = topology, model_signature
-        self.zero_sub_group_size = zero_sub_group_size
+        self.zero_sub_group_size, self.optimizer = zero_sub_group_size, optimizer
 
     def state_dict(self) -> dict:
         t = self.topology
         return {"model": self.model_signature,
                 "parallel": {"tensor": t.tensor, "pipeline": t.pipeline, "expert": t.expert},
                 # ZeRO-3 lays its optimizer state out by sub-groups of this size
-                "zero_sub_group_size": int(self.zero_sub_group_size)}
+                "zero_sub_group_size": int(self.zero_sub_group_size),
+                # Muon's momentum is laid out otherwise than AdamW's moments (reshard.py)
+                "optimizer": self.optimizer}
 
     def load_state_dict(self, state: dict):
         pass  # checked before the weights load (load.py), not restored

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from dr_scale.checkpoint import muon_state
 from dr_scale.checkpoint.layout import (REHEARSAL, STAGING, STATE_FILE, TargetLayout, find_tag,
                                         refuse_other_shape, universal_dir)
 from dr_scale.checkpoint.universal import repair_zero3_load
@@ -43,5 +44,7 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
         raise DrScaleError(f"{path}: DeepSpeed could not load this checkpoint")
     if plan == "universal" and target_stage == 3:
         repair_zero3_load(engine.optimizer, load_dir / tag)
+    if plan == "universal":
+        muon_state.restore_momentum(engine, load_dir / tag)
     nvme_offload.restore_optimizer_state(engine, load_dir, tag)
     return state, path

@@ -25,8 +25,10 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
+from dr_scale.checkpoint import muon_state
 from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, ranks_written, saved_model,
-                                       saved_parallel_layout, saved_sub_group_size,
+                                       saved_optimizer, saved_parallel_layout,
+                                       saved_sub_group_size,
                                        saved_zero_family, universal_dir)
 
 FAILED = ".{tag}.failed"  # rank 0's one-line error, for the ranks waiting on its output
@@ -56,7 +58,7 @@ def reshard_plan(ckpt_dir: Path, tag: str, target: TargetLayout, target_nvme: bo
                            f"of {len(list(tag_dir.glob(shards[family])))} (incomplete checkpoint)")
     if layout_changes:  # a change of tensor- or pipeline-parallel size: through it (tested exact)
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
-        return "universal"
+        return _universal(tag_dir, saved, written, family, target)
     if written == world_size and family == target_family:
         saved_groups = saved_sub_group_size(tag_dir)
         if family != 3 or sub_group_size in (None, saved_groups):
@@ -67,18 +69,35 @@ def reshard_plan(ckpt_dir: Path, tag: str, target: TargetLayout, target_nvme: bo
                 f"resumed with {sub_group_size} and optimizer state on NVMe, which DeepSpeed "
                 f"cannot re-lay out (its universal checkpoint does not meet swapped state): "
                 f"resume with sub_group_size {saved_groups}")
-        return "universal"  # the optimizer state laid out in other sub-groups
+        return _universal(tag_dir, saved, written, family, target)  # state in other sub-groups
     if family == 0 and target_family == 0:
         return "direct"  # ZeRO-0 keeps whole states in one file: any number of ranks loads it
     if family and target_family:
         _refuse_universal_with_nvme(tag_dir, written, world_size, target_nvme)
-        return "universal"
+        return _universal(tag_dir, saved, written, family, target)
     names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
     raise DrScaleError(
         f"{tag_dir}: a {names[family]} checkpoint ({written} rank(s)) cannot be resumed at "
         f"ZeRO-{target.stage}: ZeRO-0 keeps no partitioned optimizer state to reshard; resume "
         "it at ZeRO-0, or carry the weights without optimizer state through `dr-scale export` "
         "and model.init_from")
+
+
+def _universal(tag_dir: Path, saved: tuple, written: int, family: int,
+               target: TargetLayout) -> str:
+    """"universal", unless the checkpoint's optimizer state cannot take that way."""
+    if saved_optimizer(tag_dir) == "muon" and (
+            target.stage == 3 or target.pipelined or target.expert > 1 or max(saved[1:]) > 1):
+        # Muon's momentum goes through the universal form as muon_state.py carries it: into
+        # ZeRO-1/2's per-rank whole tensors (restore_momentum), from plain and tensor-parallel
+        # layouts; ZeRO-3's partitions, pipeline stages' names and expert groups it does not meet
+        names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
+        raise DrScaleError(
+            f"{tag_dir}: a Muon checkpoint ({written} rank(s), {names[family]}, TP {saved[0]} x "
+            f"PP {saved[1]} x EP {saved[2]}) changes layout only into ZeRO-1/2 without pipeline "
+            f"or expert parallelism, which dr_scale restores Muon's momentum into; resume with "
+            f"that layout, or on the one that wrote it")
+    return "universal"
 
 
 def _refuse_layout_change(tag_dir: Path, saved: tuple, target: TargetLayout, written: int,
@@ -225,6 +244,8 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target: TargetLayout,
             universal.to_pipeline_names(tmp, signature)
         if target.stage in (1, 2) and saved_parallel_layout(ckpt_dir / tag)[2] != target.expert:
             universal.to_expert_groups(tmp, target.expert)
+        if saved_optimizer(ckpt_dir / tag) == "muon":
+            muon_state.rename_momentum(tmp)
         shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
     except DrScaleError as e:
         failed.write_text(str(e) + "\n")

@@ -14,7 +14,7 @@ from dr_scale.errors import DrScaleError
 from dr_scale.checkpoint import manifest
 from dr_scale.checkpoint.layout import (LATEST, TargetLayout, complete_tags, find_tag,
                                         latest_tag, refuse_other_shape, saved_model,
-                                        saved_position, step_of)
+                                        saved_optimizer, saved_position, step_of)
 from dr_scale.checkpoint.reshard import (convert_to_universal, prune_leftovers, reshard_plan,
                                          universal_ready, wait_for_universal)
 
@@ -104,6 +104,12 @@ def plan_resume(run_dir: Path, topo, deepspeed, signature: dict, vocab_known: bo
 
 
 def plan_for_tag(ckpt_dir: Path, tag: str, topo, deepspeed) -> ResumePlan:
+    saved = saved_optimizer(ckpt_dir / tag)
+    if saved != deepspeed.optimizer:
+        raise DrScaleError(f"{ckpt_dir / tag}: holds the state of optimizer {saved}, and this "
+                           f"run's is {deepspeed.optimizer} ({deepspeed.source}, train.optimizer); "
+                           f"resume with {saved}, or start from the weights alone through "
+                           f"`dr-scale export` and model.init_from")
     target = TargetLayout.of(topo, deepspeed.stage)
     mode = reshard_plan(ckpt_dir, tag, target,
                         target_nvme="offload_optimizer" in deepspeed.nvme_sections,

@@ -32,7 +32,18 @@ def mapped_load(f, *args, **kwargs):
     return _whole_load(f, *args, **kwargs)
 
 
+def load_for_conversion(f, *args, **kwargs):
+    """mapped_load, a Muon run's optimizer state shown in Adam's keys (muon_state.py)."""
+    from dr_scale.checkpoint.muon_state import adam_shaped
+
+    return adam_shaped(mapped_load(f, *args, **kwargs), f)
+
+
 if __name__ == "__main__":
-    torch.load = mapped_load
+    # The work is split over forked worker processes; a parent that has run torch's OpenMP
+    # threads (load_for_conversion's Muon re-layout runs in it too) leaves its forked children
+    # hanging in their first parallel op
+    torch.set_num_threads(1)
+    torch.load = load_for_conversion
     sys.argv[0] = "ds_to_universal"
     runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__", alter_sys=True)

@@ -114,14 +114,18 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
     settle(ds, "train_batch_size", b["global"],
            f"train.micro_batch_size x accumulation x data-parallel = {b['micro']} x "
            f"{b['accum']} x {dp_size}")
-    settle(ds, "gradient_clipping", t.grad_clip, "train.grad_clip")
-
-    opt = ds.get("optimizer")
+    opt = settle_optimizer(ds, t, source)
+    settle(ds, "gradient_clipping", grad_clip(t, optimizer_type(ds)), "train.grad_clip")
     if opt is not None:
         params = opt.setdefault("params", {})
         settle(params, "lr", t.lr, "train.lr", "optimizer.params.lr")
         settle(params, "weight_decay", t.weight_decay, "train.weight_decay",
                "optimizer.params.weight_decay")
+        if optimizer_type(ds) == MUON:
+            settle(params, "muon_lr", t.muon_lr, "train.muon_lr", "optimizer.params.muon_lr")
+            settle(params, "momentum", t.muon_momentum, "train.muon_momentum",
+                   "optimizer.params.momentum")
+            check_muon(ds, params, t, source)
 
     sched = ds.get("scheduler")
     if sched is not None:
@@ -146,6 +150,9 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
     if isinstance(bf16, dict) and not isinstance(bf16.get("enabled", False), bool):
         raise DrScaleError(f"{source}: bf16.enabled: expected true, false or \"auto\", got "
                            f"{bf16['enabled']!r}")
+
+    if optimizer_type(ds) == MUON and ds["optimizer"]["params"]["ns_dtype"] == "auto":
+        ds["optimizer"]["params"]["ns_dtype"] = "fp32" if precision(ds) == "fp32" else "deepspeed"
 
     zero = ds.get("zero_optimization", {})
     tuned = ZERO_COMM.get(device_type, ZERO_COMM["cuda"])
@@ -180,6 +187,87 @@ def fill(ds: Dict[str, Any], cfg, dp_size: int, source: str = "ds_config",
         raise DrScaleError(f"{source}: {leftover}: \"auto\" has no value in the experiment config "
                            "here; give a number")
     return ds
+
+
+MUON = "muon"
+# Newton-Schulz's dtype (parallel/muon.py): "auto" is fp32 in an fp32 run, else "deepspeed"
+# (DeepSpeed's by method: fp16 for gram, bf16 for standard)
+NS_DTYPES = ("auto", "deepspeed", "fp32", "bf16", "fp16")
+# The bundled config whose optimizer section a Muon run takes when the DeepSpeed JSON names no
+# optimizer (train.optimizer=muon)
+MUON_CONFIG = "zero1_muon.json"
+
+
+def optimizer_type(ds: dict) -> str:
+    """The run's optimizer, lower case: the JSON's optimizer.type, or "adamw" (torch's, built
+    from train.*, train/engine.py) where it has none."""
+    opt = ds.get("optimizer")
+    return str(opt.get("type", "")).lower() if isinstance(opt, dict) else "adamw"
+
+
+def grad_clip(t, optimizer: str) -> float:
+    """train.grad_clip, its null settled by the optimizer (check_muon says why Muon's is 0)."""
+    if t.grad_clip is not None:
+        return t.grad_clip
+    return 0.0 if optimizer == MUON else 1.0
+
+
+def settle_optimizer(ds: dict, t, source: str) -> Optional[dict]:
+    """train.optimizer against the JSON's section: "auto" takes the JSON's; "muon" without a
+    section adds MUON_SECTION; a named optimizer the JSON contradicts is refused."""
+    opt = ds.get("optimizer")
+    if opt is not None and not isinstance(opt, dict):
+        raise DrScaleError(f"{source}: optimizer: expected a mapping with \"type\" and "
+                           f"\"params\", got {opt!r}")
+    if t.optimizer == MUON and opt is None:
+        ds["optimizer"] = read_json(DS_CONFIG_DIR / MUON_CONFIG)["optimizer"]
+    elif t.optimizer != "auto" and optimizer_type(ds) != t.optimizer:
+        raise DrScaleError(f"{source}: optimizer.type={opt.get('type')!r} disagrees with "
+                           f"train.optimizer={t.optimizer}; set one of them to match (for "
+                           f"Muon: {{\"type\": \"Muon\"}}, or a config without an optimizer "
+                           f"section, such as zero1_muon), or train.optimizer to auto")
+    return ds.get("optimizer")
+
+
+def check_muon(ds: dict, params: dict, t, source: str):
+    """What DeepSpeed's Muon, as dr_scale builds it (parallel/muon.py), cannot do."""
+    if "adam_lr" in params:
+        # one rate for the AdamW half, the one the schedule and the logs show
+        raise DrScaleError(f"{source}: optimizer.params.adam_lr: the AdamW half's rate is "
+                           f"optimizer.params.lr (train.lr); remove adam_lr")
+    ns_method = params.setdefault("ns_method", "gram")
+    if ns_method not in ("gram", "standard"):
+        raise DrScaleError(f"{source}: optimizer.params.ns_method: expected gram or standard, "
+                           f"got {ns_method!r}")
+    if params.setdefault("ns_dtype", "auto") not in NS_DTYPES:
+        raise DrScaleError(f"{source}: optimizer.params.ns_dtype: expected one of "
+                           f"{', '.join(NS_DTYPES)}, got {params['ns_dtype']!r}")
+    if params.get("per_head_muon"):
+        raise DrScaleError(f"{source}: optimizer.params.per_head_muon: not supported here; "
+                           f"dr_scale orthogonalises whole matrices (tensor-parallel slices "
+                           f"gathered first), as one rank would")
+    if ds.get("gradient_clipping", 0):
+        # ZeRO writes Muon's orthogonalised update where the gradient was before it clips:
+        # the norm it clips (and reports) is the updates' (about sqrt(rows) a matrix, 86 for
+        # the tiny model), so a clip at 1.0 divides every step by that.
+        raise DrScaleError(f"{source}: gradient_clipping={ds['gradient_clipping']} with "
+                           f"optimizer Muon: DeepSpeed clips Muon's orthogonalised update, not "
+                           f"the gradient; set train.grad_clip to 0 or null (and "
+                           f"gradient_clipping to 0 or \"auto\")")
+    zero = ds.get("zero_optimization") or {}
+    if zero.get("stage") == 3:
+        # DeepSpeed's ZeRO-3 orthogonalises whole gradients it gathers itself, and refuses its
+        # reduce-scatter beside Muon (stage3.py); the key left out means DeepSpeed's default, on
+        if zero.get("reduce_scatter") is True:
+            raise DrScaleError(f"{source}: zero_optimization.reduce_scatter=true with optimizer "
+                               f"Muon: DeepSpeed's ZeRO-3 cannot run both; set it to false or "
+                               f"remove it")
+        ds["zero_optimization"]["reduce_scatter"] = False
+    offload = (zero.get("offload_optimizer") or {}).get("device")
+    if offload in ("cpu", "nvme"):
+        raise DrScaleError(f"{source}: zero_optimization.offload_optimizer (device {offload}) "
+                           f"with optimizer Muon: the offloaded step is DeepSpeed's CPU Adam; "
+                           f"remove the offload or use AdamW")
 
 
 NVME_PATH = "nvme_path"  # "auto": the run folder's offload/, known once the ranks chose it
@@ -297,6 +385,11 @@ class DeepSpeedView:
     @property
     def nvme_sections(self):
         return tuple(nvme_offload.nvme_sections(self.filled))
+
+    @property
+    def optimizer(self) -> str:
+        """"adamw" or the JSON's optimizer type, lower case ("muon": parallel/muon.py)."""
+        return optimizer_type(self.filled)
 
     @property
     def has_scheduler(self) -> bool:

@@ -91,7 +91,16 @@ class TrainConfig(Section):
     warmup_steps: int = field(40, min=0)
     lr_decay_steps: Optional[int] = field(None, min=1, help="null: max_steps")
     weight_decay: float = field(0.1, min=0.0)
-    grad_clip: float = field(1.0, min=0.0, help="0: off")
+    optimizer: str = field("auto", choices=["auto", "adamw", "muon"],
+                           help="auto: the DeepSpeed JSON's optimizer section, else torch AdamW; "
+                           "muon: DeepSpeed's Muon for the blocks' matrices, AdamW (lr, betas) "
+                           "for the rest (parallel/muon.py)")
+    muon_lr: float = field(0.02, min=0.0, help="Muon's peak learning rate (its half follows "
+                           "the same schedule, scaled by muon_lr / lr)")
+    muon_momentum: float = field(0.95, min=0.0, max=1.0)
+    grad_clip: Optional[float] = field(None, min=0.0, help="0: off; null: 1.0 with AdamW, off "
+                                       "with Muon (DeepSpeed would clip Muon's update, not the "
+                                       "gradient: config/ds_config.check_muon)")
     seed: int = field(1234, min=0)
     log_interval: int = field(10, min=1)
     eval_interval: int = field(100, min=1)

@@ -38,11 +38,23 @@ def run_shape(run_dir: Path) -> ModelShape:
         raise DrScaleError(f"{info_path}: unreadable model shape ({type(e).__name__})") from None
 
 
+def _saved_groups(model, optimizer_state: dict) -> list:
+    """parallel.optimizer_groups.param_groups as the run built them: Muon's (parallel/muon.py)
+    where the saved groups say use_muon."""
+    from dr_scale.parallel import muon
+    from dr_scale.parallel.optimizer_groups import param_groups
+
+    saved = (optimizer_state.get("optimizer_state_dict") or {}).get("param_groups", [])
+    if not any(g.get("use_muon") for g in saved):
+        return param_groups(model, 0.0)
+    muon.tag(model)
+    settings = {"lr": 0.0, "muon_lr": 0.0, "momentum": 0.0, "betas": (0.0, 0.0), "eps": 0.0}
+    return param_groups(model, 0.0, muon=settings)  # the order only: the values are not used
+
+
 def _zero0_state(tag_dir: Path, shape: ModelShape) -> dict:
     """ZeRO-0 keeps one file; with bf16/fp16 its fp32 master copies sit in the optimizer's
     fp32_groups, in the order of parallel.optimizer_groups.param_groups (matrices, then vectors)."""
-    from dr_scale.parallel.optimizer_groups import param_groups
-
     files = list(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise DrScaleError(f"{tag_dir}: no DeepSpeed model states file (truncated or foreign "
@@ -55,7 +67,7 @@ def _zero0_state(tag_dir: Path, shape: ModelShape) -> dict:
     model = build_model(shape, device="meta")
     name_of = {id(p): n for n, p in model.named_parameters()}
     out = dict(module)
-    for group, masters in zip(param_groups(model, 0.0), groups):
+    for group, masters in zip(_saved_groups(model, sd["optimizer"]), groups):
         for p, master in zip(group["params"], masters):
             out[name_of[id(p)]] = master.float()
     out = spec_of(shape.arch).tie_head(out, shape.tie_embeddings)

@@ -4,7 +4,9 @@ from typing import Optional
 
 import torch
 
+from dr_scale.config.ds_config import MUON, optimizer_type
 from dr_scale.errors import DrScaleError
+from dr_scale.parallel import muon
 from dr_scale.parallel.optimizer_groups import param_groups
 from dr_scale.parallel.zero3_hooks import hooks_without_gathering
 
@@ -23,6 +25,13 @@ def default_optimizer(ds: dict, groups, train_cfg) -> Optional[torch.optim.Optim
 
 
 def describe_optimizer(ds: dict, train_cfg) -> str:
+    if optimizer_type(ds) == MUON:
+        p = ds["optimizer"]["params"]
+        return (f"optimizer DeepSpeed Muon (the blocks' matrices: lr {p['muon_lr']:g}, momentum "
+                f"{p['momentum']:g}, Newton-Schulz {p['ns_method']} in {p['ns_dtype']}; the rest "
+                f"AdamW: "
+                f"lr {p['lr']:g}, betas {p['betas'][0]}/{p['betas'][1]}; weight decay "
+                f"{p['weight_decay']:g})")
     if "optimizer" in ds:
         return f"optimizer {ds['optimizer'].get('type', '?')} (DeepSpeed config)"
     return (f"optimizer torch AdamW from train.* (lr {train_cfg.lr:g}, weight decay "
@@ -94,12 +103,21 @@ def _as_one_line(e: Exception, ds: dict, ds_path) -> DrScaleError:
                         f"{(str(e).splitlines() or [type(e).__name__])[0]}")
 
 
-def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None):
-    """The DeepSpeed engine around `model` (plain or a PipelineModule)."""
+def initialize_engine(model, ds: dict, train_cfg, scheduler, ds_path, mpu=None,
+                      tensor_group=None):
+    """The DeepSpeed engine around `model` (plain or a PipelineModule). Muon (parallel/muon.py)
+    is built here from the JSON's section, which DeepSpeed then does not see."""
     import deepspeed
 
-    groups = param_groups(model, train_cfg.weight_decay)
-    optimizer = default_optimizer(ds, groups, train_cfg)
+    if optimizer_type(ds) == MUON:
+        muon.tag(model, tensor_group)
+        settings = ds["optimizer"]["params"]
+        groups = param_groups(model, train_cfg.weight_decay, muon=settings)
+        optimizer = muon.build(groups, settings)
+        ds = {k: v for k, v in ds.items() if k != "optimizer"}
+    else:
+        groups = param_groups(model, train_cfg.weight_decay)
+        optimizer = default_optimizer(ds, groups, train_cfg)
     try:
         with hooks_without_gathering():  # ZeRO-3: no all-gather of the model at start
             engine, _, _, _ = deepspeed.initialize(

@@ -67,7 +67,7 @@ class Trainer:
         self.saved = SavedState({  # what a checkpoint holds beside DeepSpeed's files, by owner
             "trainer": self, "rng": RandomGenerators(),
             "layout": WrittenLayout(topology, self.model_signature,
-                                    engine.zero_sub_group_size()),
+                                    engine.zero_sub_group_size(), plan.deepspeed.optimizer),
             "callbacks": CallbackState(self.callbacks, self, logger.info)})
 
     def register_callback(self, callback):
