@@ -9,8 +9,10 @@ zero1_muon (Muon at train.muon_lr for the blocks' matrices, AdamW at train.lr fo
 gradient clipping, which DeepSpeed would apply to Muon's update: AdamW runs without it too, so
 the two differ by the optimizer only), bf16 where the CPU has it. Reported: the held-out loss at
 equal steps (the last evaluation) and at equal training time (each curve read at the time the
-faster run's last evaluation came, linearly between evaluations), the median step time, the
-optimizer's share of it (the trainer's optimizer_step phase), each rank's peak memory, and the
+faster run's last evaluation came, linearly between evaluations), the median step time, its
+backward and optimizer_step phases (DeepSpeed's ZeRO-1/2 orthogonalise Muon's matrices while
+they reduce the gradients, at the end of the backward, so Muon's cost shows there more than in
+the step), each rank's peak memory, and the
 optimizer state a rank keeps (its ZeRO shard file of the last checkpoint: fp32 master weights
 and the optimizer's moments or momentum). A picture of both held-out curves, against steps and
 against training time.
@@ -54,6 +56,7 @@ def run(name, ds_config, a, workdir) -> dict:
     return {"optimizer": name, "ds_config": ds_config, "evals": evals,
             "last_eval_loss": evals[-1][2], "train_time_s": clock,
             "step_time_s": statistics.median(r["step_time_s"] for r in train[1:]),
+            "backward_s": statistics.median(r["time_backward_s"] for r in train[1:]),
             "optimizer_step_s": statistics.median(r["time_optimizer_step_s"] for r in train[1:]),
             "mem_peak_bytes": max(r["mem_peak_bytes"] for r in train),
             "optimizer_state_bytes": max(f.stat().st_size for f in shards)}
@@ -115,8 +118,9 @@ def main(argv=None):
         r["eval_loss_at_equal_time"] = loss_at_time(r["evals"], equal_time)
         print(f"  {r['optimizer']}: held-out {r['last_eval_loss']:.4f} at step {a.steps}, "
               f"{r['eval_loss_at_equal_time']:.4f} at {equal_time:.0f} s; step "
-              f"{r['step_time_s'] * 1e3:.0f} ms (optimizer {r['optimizer_step_s'] * 1e3:.0f} "
-              f"ms); optimizer state {r['optimizer_state_bytes'] / 2**20:.1f} MiB a rank",
+              f"{r['step_time_s'] * 1e3:.0f} ms (backward {r['backward_s'] * 1e3:.0f} ms, "
+              f"optimizer {r['optimizer_step_s'] * 1e3:.0f} ms); optimizer state "
+              f"{r['optimizer_state_bytes'] / 2**20:.1f} MiB a rank",
               flush=True)
     out = Path(a.out)
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
@@ -126,6 +130,7 @@ def main(argv=None):
                    (f"held-out loss at {equal_time:.0f} s",
                     lambda r: f"{r['eval_loss_at_equal_time']:.4f}"),
                    ("step (ms)", lambda r: f"{r['step_time_s'] * 1e3:.0f}"),
+                   ("backward (ms)", lambda r: f"{r['backward_s'] * 1e3:.0f}"),
                    ("optimizer step (ms)", lambda r: f"{r['optimizer_step_s'] * 1e3:.0f}"),
                    ("peak memory a rank (MiB)", lambda r: mib(r["mem_peak_bytes"])),
                    ("optimizer state a rank (MiB)", lambda r: mib(r["optimizer_state_bytes"]))],

@@ -101,15 +101,19 @@ def test_a_stopped_run_resumes_bitwise(muon_runs, cache_dir, tmp_path):
     assert losses(run) == losses(runs["ZeRO-1 DP 2"])
 
 
-@pytest.mark.parametrize("source", ["TP 2", "ZeRO-3 DP 2"])
+@pytest.mark.parametrize("source, target", [("TP 2", "ZeRO-1 DP 2"),
+                                            ("ZeRO-3 DP 2", "ZeRO-1 DP 2"),
+                                            ("ZeRO-1 DP 2", "ZeRO-3 DP 2")])
 def test_a_resume_on_another_layout_carries_the_momentum(muon_runs, cache_dir, tmp_path,
-                                                         source):
-    """Stopped after step 3 with TP 2 (ZeRO-1) or at ZeRO-3, resumed at ZeRO-1 on 2 data-parallel
-    ranks through the universal form: the uninterrupted ZeRO-1 run's losses; the same resume
-    with the converted momentum zeroed does not give them (the momentum is what carries)."""
+                                                         source, target):
+    """Stopped after step 3, resumed on another layout through the universal form: the target's
+    uninterrupted losses; the same resume with the converted momentum zeroed does not give them
+    (the momentum is what carries)."""
+    from dr_scale.checkpoint.muon_state import muon_parameters
+
     base, runs = muon_runs
-    want = losses(runs["ZeRO-1 DP 2"])
-    args = ["--ds_config", muon_config(base, 1), "--resume", "auto", *COMMON,
+    want = losses(runs[target])
+    args = ["--ds_config", muon_config(base, LAYOUTS[target][1]), "--resume", "auto", *COMMON,
             "parallel.tensor_parallel=1"]
     run = tmp_path / "resumed"
     stopped_at(runs[source], run, 3)
@@ -119,14 +123,17 @@ def test_a_resume_on_another_layout_carries_the_momentum(muon_runs, cache_dir, t
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(want[step], rel=1e-5), (source, step)
     universal = run / "checkpoints" / "universal"
-    converted = list(universal.glob("*/step_00000003/zero/*/momentum_buffer.pt"))
-    assert len(converted) == 28  # tiny's matrices: 4 layers x 7
     control = tmp_path / "control"
     stopped_at(runs[source], control, 3)
     shutil.copytree(universal, control / "checkpoints" / "universal")
-    for path in (control / "checkpoints" / "universal").glob("*/step_*/zero/*/momentum_buffer.pt"):
+    udir, = (control / "checkpoints" / "universal").glob("*/step_00000003")
+    momenta = muon_parameters(udir)
+    assert len(momenta) == 28  # tiny's matrices: 4 layers x 7
+    for name in momenta:  # the momentum rides in exp_avg.pt (muon_state.py)
+        path = udir / "zero" / name / "exp_avg.pt"
         saved = torch.load(path, weights_only=False)
-        torch.save({**saved, "param": torch.zeros_like(saved["param"])}, path)
+        torch.save({**saved, "param": torch.zeros_like(saved["param"])}
+                   if isinstance(saved, dict) else torch.zeros_like(saved), path)
     launch([*args, "--run_dir", control], 2, cache_dir)
     zeroed = losses(control)
     # measured: 9.4e-4 apart at step 5 (step 4's loss comes before the first update)
@@ -134,19 +141,22 @@ def test_a_resume_on_another_layout_carries_the_momentum(muon_runs, cache_dir, t
 
 
 def test_a_resume_on_another_layout_or_optimizer_is_one_line(muon_runs, cache_dir, tmp_path):
-    """On one rank (the checkpoint's 2 ranks wrote ZeRO-1 shards): with Muon at ZeRO-3, the
-    layout's change is refused; with AdamW (the bundled zero1), the optimizer's, which comes
-    first."""
+    """On one rank: a Muon checkpoint of 2 pipeline stages is refused (the momentum is carried
+    between plain and tensor-parallel layouts); a ZeRO-1 one resumed with AdamW (the bundled
+    zero1) is refused for the optimizer."""
     base, runs = muon_runs
-    for i, (ds, expected) in enumerate([
-            (muon_config(base, 3), "a Muon checkpoint (2 rank(s), ZeRO-1/2, TP 1 x PP 1 x EP 1) "
-             "changes layout only into ZeRO-1/2 without pipeline or expert parallelism"),
-            ("zero1", "holds the state of optimizer muon, and this run's is adamw")]):
+    for i, (source, ds, expected) in enumerate([
+            ("PP 2", muon_config(base, 1), "a Muon checkpoint (2 rank(s), ZeRO-1/2, TP 1 x PP 2 "
+             "x EP 1) changes layout only without pipeline or expert parallelism on either "
+             "side"),
+            ("ZeRO-1 DP 2", "zero1", "holds the state of optimizer muon, and this run's is "
+             "adamw")]):
         run = tmp_path / f"run{i}"
-        stopped_at(runs["ZeRO-1 DP 2"], run, 3)
+        stopped_at(runs[source], run, 3)
         before = sorted(str(p) for p in run.rglob("*"))
-        proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON], 1,
-                      cache_dir, check=False, launcher="python")
+        proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
+                       "parallel.pipeline_parallel=1"], 1, cache_dir, check=False,
+                      launcher="python")
         errors = [line for line in proc.stderr.splitlines() if "error:" in line]
         assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
         assert expected in errors[0] and "Traceback" not in proc.stderr, errors

@@ -15,10 +15,13 @@ The way through:
    each parameter's slice in the partition cut from its whole tensor), `exp_avg_sq` zeros; its
    fragments are then cut, joined over data-parallel ranks and tensor-parallel slices as any
    moment is.
-2. `rename_momentum` (after the conversion): the Muon parameters' `exp_avg.pt` becomes
-   `momentum_buffer.pt`, their zero `exp_avg_sq.pt` goes.
-3. `restore_momentum` (after DeepSpeed's universal load, ZeRO-1/2): each rank's momentum buffer
-   rebuilt from the whole tensors, cut to its tensor-parallel slice (parallel/muon.TensorSlice).
+   So in the universal form a Muon parameter's `exp_avg.pt` holds its momentum and its
+   `exp_avg_sq.pt` zeros (the two names DeepSpeed's loaders know).
+2. `restore_momentum` (after DeepSpeed's universal load): ZeRO-3 has loaded the two files into
+   each sub-group's partition as Adam's moments: Muon's sub-groups get them back under
+   `momentum_buffer`. ZeRO-1/2 loads no moment into a group that holds none yet (Muon's buffer
+   is made at its first step): each rank's buffer is rebuilt from the whole tensors, cut to its
+   tensor-parallel slice (parallel/muon.TensorSlice).
 """
 import re
 from pathlib import Path
@@ -106,38 +109,35 @@ def _model_states(udir: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def rename_momentum(udir: Path):
-    """The Muon parameters' exp_avg.pt -> momentum_buffer.pt; their exp_avg_sq.pt removed."""
-    for name in muon_parameters(udir):
-        folder = udir / "zero" / name
-        (folder / "exp_avg.pt").rename(folder / f"{MOMENTUM}.pt")
-        (folder / "exp_avg_sq.pt").unlink()
-
-
 def restore_momentum(engine, udir: Path):
-    """After DeepSpeed's universal load at ZeRO-1/2: each Muon group's momentum buffer, the
-    whole tensors of the parameters this rank's partition touches (this rank's tensor-parallel
-    slices of them)."""
-    from dr_scale.parallel.muon import TensorSlice
-
+    """After DeepSpeed's universal load (see the module's text); nothing without Muon."""
     zero = engine.optimizer
     if not any(g.get("use_muon") for g in getattr(zero, "param_groups", [])):
         return
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        for i, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            if zero.sub_groups_using_muon[i]:
+                state = zero.optimizer.state[flat]
+                state[MOMENTUM] = state.pop("exp_avg")
+                del state["exp_avg_sq"]
+        return
+    from dr_scale.parallel.muon import TensorSlice
+
     names = {id(p): n for n, p in engine.module.named_parameters()}
     for i, group in enumerate(zero.optimizer.param_groups):
         if not group.get("use_muon"):
             continue
         pieces = []
         for p in zero.params_in_partition[i]:
-            saved = torch.load(udir / "zero" / names[id(p)] / f"{MOMENTUM}.pt",
-                               map_location="cpu", weights_only=False)
+            saved = torch.load(udir / "zero" / names[id(p)] / "exp_avg.pt", map_location="cpu",
+                               weights_only=False)
             whole = saved["param"] if isinstance(saved, dict) else saved
             slicing = getattr(p, "is_expert_group", None)
             if isinstance(slicing, TensorSlice):
                 whole = slicing.mine(whole)
             pieces.append(whole.reshape(-1))
-        flat = zero.optimizer.param_groups[i]["params"][0]
+        flat = group["params"][0]
         grads = zero.all_grad_tensors.get(i) if hasattr(zero, "all_grad_tensors") else None
         dtype = grads[0].dtype if grads else torch.float32
-        zero.optimizer.state[flat][MOMENTUM] = torch.cat(pieces).to(
-            device=flat.device, dtype=dtype)
+        zero.optimizer.state[flat][MOMENTUM] = torch.cat(pieces).to(device=flat.device,
+                                                                    dtype=dtype)

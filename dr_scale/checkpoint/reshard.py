@@ -25,7 +25,6 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.checkpoint import muon_state
 from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, ranks_written, saved_model,
                                        saved_optimizer, saved_parallel_layout,
                                        saved_sub_group_size,
@@ -87,16 +86,16 @@ def _universal(tag_dir: Path, saved: tuple, written: int, family: int,
                target: TargetLayout) -> str:
     """"universal", unless the checkpoint's optimizer state cannot take that way."""
     if saved_optimizer(tag_dir) == "muon" and (
-            target.stage == 3 or target.pipelined or target.expert > 1 or max(saved[1:]) > 1):
-        # Muon's momentum goes through the universal form as muon_state.py carries it: into
-        # ZeRO-1/2's per-rank whole tensors (restore_momentum), from plain and tensor-parallel
-        # layouts; ZeRO-3's partitions, pipeline stages' names and expert groups it does not meet
+            target.pipelined or target.expert > 1 or max(saved[1:]) > 1):
+        # Muon's momentum goes through the universal form as muon_state.py carries it, between
+        # plain and tensor-parallel layouts at any ZeRO stage; pipeline stages' names and expert
+        # groups it has not met
         names = {0: "ZeRO-0", 1: "ZeRO-1/2", 3: "ZeRO-3"}
         raise DrScaleError(
             f"{tag_dir}: a Muon checkpoint ({written} rank(s), {names[family]}, TP {saved[0]} x "
-            f"PP {saved[1]} x EP {saved[2]}) changes layout only into ZeRO-1/2 without pipeline "
-            f"or expert parallelism, which dr_scale restores Muon's momentum into; resume with "
-            f"that layout, or on the one that wrote it")
+            f"PP {saved[1]} x EP {saved[2]}) changes layout only without pipeline or expert "
+            f"parallelism on either side, where dr_scale carries Muon's momentum; resume with "
+            f"such a layout, or on the one that wrote it")
     return "universal"
 
 
@@ -244,8 +243,6 @@ def convert_to_universal(ckpt_dir: Path, tag: str, target: TargetLayout,
             universal.to_pipeline_names(tmp, signature)
         if target.stage in (1, 2) and saved_parallel_layout(ckpt_dir / tag)[2] != target.expert:
             universal.to_expert_groups(tmp, target.expert)
-        if saved_optimizer(ckpt_dir / tag) == "muon":
-            muon_state.rename_momentum(tmp)
         shutil.copyfile(ckpt_dir / tag / STATE_FILE.format(rank=0), tmp / STATE_FILE.format(rank=0))
     except DrScaleError as e:
         failed.write_text(str(e) + "\n")
