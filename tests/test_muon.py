@@ -1,9 +1,13 @@
 """Muon (parallel/muon.py): DeepSpeed's MuonWithAuxAdam, the blocks' matrices Muon's and the rest
 AdamW's, built by dr_scale from the spec's modules. The tiny model in fp32 (Newton-Schulz in fp32,
 ns_dtype "auto"), 6 steps of the same micro-batches: ZeRO-1, ZeRO-2 and ZeRO-3 on 2 ranks, TP 2
-(each split matrix orthogonalised whole) and PP 2 give one rank's losses within 1e-5 relative;
-moe_tiny with EP 2 gives its one rank's; a ZeRO-1 run stopped after step 3 resumes bitwise; what
-cannot work is refused in one line before any process group."""
+(each split matrix orthogonalised whole), PP 2 and PP 2 x TP 2 give one rank's losses within 1e-5
+relative;
+moe_tiny with EP 2 gives its one rank's; a ZeRO-1 run stopped after step 3 resumes bitwise, and
+on another layout (TP 2 -> ZeRO-1, ZeRO-3 -> ZeRO-1, ZeRO-1 -> ZeRO-3) through the universal
+form continues the target's losses, which zeroing the carried momentum breaks; a ZeRO-0 bf16
+run's export is scored by transformers as the run scored itself; what cannot work is refused in
+one line before any process group."""
 import json
 import shutil
 
@@ -27,6 +31,7 @@ COMMON = ["data.seq_length=64", "train.max_steps=6", "train.warmup_steps=2",
 LAYOUTS = {"1 rank": (1, 1, []), "ZeRO-1 DP 2": (2, 1, []), "ZeRO-2 DP 2": (2, 2, []),
            "ZeRO-3 DP 2": (2, 3, []), "TP 2": (2, 1, ["parallel.tensor_parallel=2"]),
            "PP 2": (2, 1, ["parallel.pipeline_parallel=2"]),
+           "PP 2 x TP 2": (4, 1, ["parallel.pipeline_parallel=2", "parallel.tensor_parallel=2"]),
            "moe 1 rank": (1, 2, ["model.preset=moe_tiny"]),
            "moe EP 2": (2, 2, ["model.preset=moe_tiny", "parallel.expert_parallel=2"])}
 
@@ -59,7 +64,7 @@ def losses(run):
 def test_layouts_give_one_ranks_losses(muon_runs):
     _, runs = muon_runs
     for reference, names in (("1 rank", ["ZeRO-1 DP 2", "ZeRO-2 DP 2", "ZeRO-3 DP 2", "TP 2",
-                                         "PP 2"]),
+                                         "PP 2", "PP 2 x TP 2"]),
                              ("moe 1 rank", ["moe EP 2"])):
         want = losses(runs[reference])
         assert sorted(want) == [1, 2, 3, 4, 5, 6] and want[6] < want[1] - 1, reference
