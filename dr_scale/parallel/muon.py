@@ -42,10 +42,10 @@ class TensorSlice:
     size: int
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        from dr_scale.runtime import comm
 
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        comm.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=self.dim)
 
     def mine(self, whole: torch.Tensor) -> torch.Tensor:
