@@ -106,6 +106,19 @@ def test_a_stopped_run_resumes_bitwise(muon_runs, cache_dir, tmp_path):
     assert losses(run) == losses(runs["ZeRO-1 DP 2"])
 
 
+def muon_parameters(udir):
+    """Names of the parameters in a universal folder's Muon groups (their exp_avg.pt holds the
+    momentum: checkpoint/muon_state.py)."""
+    opt = torch.load(udir / "zero" / "optimizer_state.pt", weights_only=False)
+    groups = opt.get("param_groups") or opt.get("optimizer_state_dict", {}).get("param_groups")
+    path = next(p for pattern in ("mp_rank_*_model_states.pt",
+                                  "zero_pp_rank_0_mp_rank_*_model_states.pt")
+                for p in sorted(udir.glob(pattern)))
+    states = torch.load(path, weights_only=False)
+    return [name for group, shapes in zip(groups or [], states["param_shapes"])
+            if group.get("use_muon") for name in shapes]
+
+
 @pytest.mark.parametrize("source, target", [("TP 2", "ZeRO-1 DP 2"),
                                             ("ZeRO-3 DP 2", "ZeRO-1 DP 2"),
                                             ("ZeRO-1 DP 2", "ZeRO-3 DP 2")])
@@ -114,8 +127,6 @@ def test_a_resume_on_another_layout_carries_the_momentum(muon_runs, cache_dir, t
     """Stopped after step 3, resumed on another layout through the universal form: the target's
     uninterrupted losses; the same resume with the converted momentum zeroed does not give them
     (the momentum is what carries)."""
-    from dr_scale.checkpoint.muon_state import muon_parameters
-
     base, runs = muon_runs
     want = losses(runs[target])
     args = ["--ds_config", muon_config(base, LAYOUTS[target][1]), "--resume", "auto", *COMMON,

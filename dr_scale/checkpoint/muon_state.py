@@ -23,6 +23,7 @@ The way through:
    is made at its first step): each rank's buffer is rebuilt from the whole tensors, cut to its
    tensor-parallel slice (parallel/muon.TensorSlice).
 """
+import functools
 import re
 from pathlib import Path
 
@@ -55,15 +56,23 @@ def adam_shaped(obj, path) -> object:
     return obj
 
 
-def _group_offsets(model_states: dict, group: int) -> dict:
-    """name -> (start in the group's flat buffer over all ranks, whole numel)."""
-    shapes = model_states["param_shapes"][group]
-    out, start = {}, 0
-    for name, shape in shapes.items():
-        numel = torch.Size(shape).numel()
-        out[name] = (start, numel)
-        start += numel
-    return out
+@functools.lru_cache(maxsize=None)
+def _group_offsets(folder: Path, tensor_rank: str) -> tuple:
+    """Per parameter group, name -> (start in the group's flat buffer over all ranks, whole
+    numel), from the tensor rank's model-states file. That file holds the module's weights
+    too: read once per conversion worker and tensor rank, not once per data-parallel rank's
+    optimizer file."""
+    states = torch.load(folder / f"mp_rank_{tensor_rank}_model_states.pt", map_location="cpu",
+                        weights_only=False)
+    groups = []
+    for shapes in states["param_shapes"]:
+        out, start = {}, 0
+        for name, shape in shapes.items():
+            numel = torch.Size(shape).numel()
+            out[name] = (start, numel)
+            start += numel
+        groups.append(out)
+    return tuple(groups)
 
 
 def _partition_layout(zero: dict, group: int, whole: torch.Tensor, folder: Path, dp_rank: int,
@@ -75,9 +84,7 @@ def _partition_layout(zero: dict, group: int, whole: torch.Tensor, folder: Path,
     paddings = (zero.get("param_alignment_paddings") or [[]])[group]
     if any(paddings):
         raise ValueError(f"{folder}: Muon state with alignment padding between parameters")
-    states = torch.load(folder / f"mp_rank_{tensor_rank}_model_states.pt", map_location="cpu",
-                        weights_only=False)
-    offsets = _group_offsets(states, group)
+    offsets = _group_offsets(folder, tensor_rank)[group]
     partition_start = dp_rank * fp32.numel()
     out = torch.zeros(fp32.numel(), dtype=torch.float32)
     cursor = 0  # in `whole`: the whole tensors of the partition's parameters, in its order
@@ -91,22 +98,6 @@ def _partition_layout(zero: dict, group: int, whole: torch.Tensor, folder: Path,
         raise ValueError(f"{folder}: rank {dp_rank}'s Muon momentum holds {whole.numel()} "
                          f"values, its parameters {cursor}")
     return out
-
-
-def muon_parameters(udir: Path) -> list:
-    """Names of the parameters in a universal folder's Muon groups."""
-    opt = torch.load(udir / "zero" / "optimizer_state.pt", map_location="cpu",
-                     weights_only=False)
-    groups = opt.get("param_groups") or opt.get("optimizer_state_dict", {}).get("param_groups")
-    states = _model_states(udir)
-    return [name for group, shapes in zip(groups or [], states["param_shapes"])
-            if group.get("use_muon") for name in shapes]
-
-
-def _model_states(udir: Path) -> dict:
-    path = next(p for pattern in ("mp_rank_*_model_states.pt", "zero_pp_rank_0_mp_rank_*_model_"
-                                  "states.pt") for p in sorted(udir.glob(pattern)))
-    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def restore_momentum(engine, udir: Path):
