@@ -3,7 +3,10 @@ micro-batches of 2 in every layout (so the router's auxiliary loss, computed per
 the same too): 1 rank (4 accumulated), EP 2 on 2 ranks (2 accumulated), EP 2 x DP 2 on 4 ranks,
 TP 2 x EP 2 on 4 ranks, TP 2 x EP 2 x DP 2 on 8 ranks and EP 2 with activation checkpointing give
 the same losses over 6 steps
-within 1e-4 relative (1e-6, and gradient norms within 1e-3, until a sensitive step); a resume on
+within 1e-4 relative (1e-6, and gradient norms within 1e-3, until a sensitive step), and the
+same per-parameter gradient norms (grad_norm_monitor, whose experts lie on several ranks); the
+EMA at decay 0 of two of them (EP 2 x DP 2, and TP 2 x EP 2 x DP 2 whose expert-data group spans
+the tensor ranks) evaluates as the weights and leaves the losses as they are; a resume on
 the same layout continues them exactly, a resume on another expert-parallel size (both ways,
 through DeepSpeed's universal form) within 1e-4; the export of an EP run is scored by
 transformers as the run scored itself; the combinations DeepSpeed or we cannot run are one-line
@@ -13,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dr_scale.config.schema import RunConfig
 from dr_scale.errors import DrScaleError
@@ -27,7 +31,11 @@ from tests.test_train_distributed import fp32_config, records
 COMMON = ["model.preset=moe_tiny", "data.seq_length=64", "train.max_steps=6",
           "train.warmup_steps=2", "train.log_interval=1", "train.eval_interval=6",
           "train.save_interval=3", "train.eval_samples=16", "train.global_batch_size=8",
-          "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false"]
+          "train.micro_batch_size=2", "logging.plot=false", "logging.tensorboard=false",
+          "callbacks.grad_norm_monitor.enabled=true", "callbacks.grad_norm_monitor.top_k=4"]
+# the EMA's evaluation swaps the weights in and out: at decay 0 the EMA is the weights
+EMA = ["callbacks.ema.enabled=true", "callbacks.ema.decay=0"]
+WITH_EMA = {"EP 2 x DP 2", "TP 2 x EP 2 x DP 2"}
 # name: (ranks, EP, TP); under TP 2 the attention is split and the experts replicated over it
 # "checkpointed": activation checkpointing, the blocks' all-to-alls run again in the backward
 # "TP 2 x EP 2 x DP 2": two replicas of each expert per tensor rank, so only some ranks write
@@ -49,7 +57,7 @@ def ep_runs(request, cache_dir, tmp_path_factory):
         runs[name] = base / name.replace(" ", "_")
         checkpointed = ["parallel.activation_checkpointing=full"] if "checkpointed" in name else []
         launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON, *layout_args(ep, tp),
-                *checkpointed], ranks, cache_dir)
+                *checkpointed, *(EMA if name in WITH_EMA else [])], ranks, cache_dir)
     return ds, runs
 
 
@@ -83,7 +91,17 @@ def test_layouts_give_the_same_losses(ep_runs):
                 agreeing = step
                 # experts' gradients scaled by the wrong group size would move it far more
                 assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3), (name, step)
+                # the monitor's norms, each parameter's whole (its experts from every rank)
+                assert r["grad_norm_total"] == pytest.approx(w["grad_norm_total"], rel=1e-3)
+                top = dict(w["grad_norm_top"])
+                assert top and all(top[n] == pytest.approx(v, rel=1e-3)
+                                   for n, v in r["grad_norm_top"] if n in top), (name, step)
         assert agreeing >= 3, (name, agreeing)
+    for name in WITH_EMA:
+        evals = [r for r in records(runs[name]) if "eval_loss" in r]
+        assert [r["step"] for r in evals] == [0, 6], name
+        for r in evals:
+            assert r["ema_eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-6), (name, r)
     run = json.loads((runs["EP 2 x DP 2"] / "run.json").read_text())["world"]
     assert (run["data_parallel"], run["expert_parallel"]) == (4, 2)
     # every rank wrote its own experts: 4 layers x 8 experts, one file each
@@ -111,9 +129,10 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
                               str(run), "--to", f"dp={ranks} ep={ep}"], capture_output=True,
                              text=True)
         assert cli.returncode == 0 and f"(EP {ep})" in cli.stdout, cli.stderr[-2000:]
-    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
-                   *layout_args(ep, tp)], ranks, cache_dir)
     same_layout = LAYOUTS[source] == (ranks, ep, tp)
+    ema = EMA if same_layout and source in WITH_EMA else []  # its EMA resumed with it
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
+                   *layout_args(ep, tp), *ema], ranks, cache_dir)
     assert ("resharding" in proc.stdout) == (not same_layout and not ahead), proc.stdout[-2000:]
     want, got = losses(runs[source], after=3), losses(run, after=3)
     assert sorted(got) == [4, 5, 6]
@@ -135,6 +154,14 @@ def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path
     scored = score(out, runs[name])
     assert scored.relative_difference < 1e-4, scored.as_dict()  # fp32 both
     assert not list((runs[name] / "checkpoints").glob(".export-*"))  # cleaned up
+    if name in WITH_EMA:  # at decay 0 the EMA export is the weights, every expert in its place
+        from safetensors.torch import load_file
+
+        assert export(runs[name], tmp_path / "ema", "--ema").returncode == 0
+        weights, ema = (load_file(next((tmp_path / d).glob("*.safetensors")))
+                        for d in ("hf", "ema"))
+        assert weights.keys() == ema.keys()
+        assert all(torch.equal(weights[k], ema[k]) for k in weights)
 
 
 def test_tensor_and_expert_parallel_checkpoint_refuses_another_layout(ep_runs):

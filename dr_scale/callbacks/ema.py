@@ -41,7 +41,7 @@ class EMA(Callback):
         self.shards = local_shards(trainer.engine)
         if self._loaded is not None:
             state = self._loaded
-            layout = [(s.name, s.start, s.numel) for s in self.shards]
+            layout = [(s.name, s.whole_start, s.numel) for s in self.shards]
             saved = list(zip(state["names"], state["starts"].tolist(), state["numels"].tolist()))
             if layout != saved:
                 raise DrScaleError("callbacks.ema: the checkpoint's EMA was kept for another "
@@ -63,17 +63,19 @@ class EMA(Callback):
 
     def on_evaluate(self, trainer, step, record):
         current = [s.master.detach().clone() for s in self.shards]
-        write_values(trainer.engine, self.shards, self.ema)
+        write_values(trainer.engine, self.shards, self.ema, trainer.topology)
         try:
             record["ema_eval_loss"] = trainer.eval_loss()
         finally:
-            write_values(trainer.engine, self.shards, current)
+            write_values(trainer.engine, self.shards, current, trainer.topology)
 
     def state_dict(self):
         return {"names": [s.name for s in self.shards], "shapes": [list(s.shape) for s in self.shards],
-                "starts": torch.tensor([s.start for s in self.shards], dtype=torch.int64),
+                "starts": torch.tensor([s.whole_start for s in self.shards], dtype=torch.int64),
                 "numels": torch.tensor([s.numel for s in self.shards], dtype=torch.int64),
                 "ema": [e.detach() for e in self.ema],  # to the host by the checkpoint writer
+                # split by expert parallelism, replicated over tensor ranks (load_ema_state)
+                "experts": [s.expert for s in self.shards],
                 "decay": self.decay}
 
     def load_state_dict(self, state):
@@ -94,21 +96,33 @@ def assemble(rank_states) -> dict:
     return {name: flat.view(*shapes[name]) for name, flat in full.items()}
 
 
+def _experts_only(state: dict) -> dict:
+    keep = [i for i, expert in enumerate(state.get("experts", [])) if expert]
+    return {"names": [state["names"][i] for i in keep],
+            "shapes": [state["shapes"][i] for i in keep],
+            "starts": state["starts"][keep], "numels": state["numels"][keep],
+            "ema": [state["ema"][i] for i in keep]}
+
+
 def load_ema_state(tag_dir: Path, shape, tensor_rank: int = 0,
                    topology: Optional[Topology] = None) -> dict:
     """Whole EMA weights from the per-rank slices this callback saved with a checkpoint; under
-    tensor parallelism, those of one tensor rank (its slices of the split parameters)."""
+    tensor parallelism, those of one tensor rank (its slices of the split parameters), and the
+    experts' from every rank (they are not split over tensor ranks, and their ZeRO fragments lie
+    on the ranks of every tensor rank)."""
     tag_dir = Path(tag_dir)
     states = []
     for path in sorted(tag_dir.glob(STATE_FILE.format(rank="*"))):
         rank = int(re.search(r"(\d+)\.pt$", path.name).group(1))
-        if topology is not None and topology.coords(rank)["tensor"] != tensor_rank:
-            continue
+        other_tensor_rank = topology is not None and topology.coords(rank)["tensor"] != tensor_rank
         saved = torch.load(path, map_location="cpu", weights_only=True).get(CallbackState.KEY, {})
         if isinstance(saved, dict):  # keyed by callback name
-            states += [saved[EMA.name]] if EMA.name in saved else []
+            found = [saved[EMA.name]] if EMA.name in saved else []
         else:  # older checkpoints: a list by position; the EMA state is the one shaped like it
-            states += [cb for cb in saved if isinstance(cb, dict) and "ema" in cb and "names" in cb]
+            found = [cb for cb in saved if isinstance(cb, dict) and "ema" in cb and "names" in cb]
+        if other_tensor_rank:
+            found = [_experts_only(state) for state in found]
+        states += found
     if not states:
         raise DrScaleError(f"{tag_dir}: no EMA weights saved here (callbacks.ema.enabled was "
                            "off for this run)")

@@ -29,6 +29,8 @@ class LocalGrad:
     partitioned: bool                # shares on the ranks sum (in squares) to the whole norm
     write: Optional[Callable]        # stores a modified share back, where `grad` is a copy
     tp_sharded: bool = False         # a tensor-parallel slice: the norm sums over the TP group
+    expert: bool = False             # split by expert parallelism: the norm sums over the
+                                     # expert-data group (its shares), then the expert group
 
 
 def tensor_parallel_params(engine) -> set:
@@ -75,6 +77,7 @@ def local_grads(engine, topology) -> List[LocalGrad]:
         else:
             out.append(LocalGrad(name, None if p.grad is None else p.grad.view(-1), False, None))
         out[-1].tp_sharded = id(p) in tp_ids
+        out[-1].expert = getattr(p, "expert_slice", None) is not None  # parallel/expert.py
     return out
 
 
@@ -91,13 +94,21 @@ def loss_scale(engine) -> float:
 
 def grad_norms(engine, grads: List[LocalGrad], topology, device=None) -> torch.Tensor:
     """Whole-parameter L2 norms of the (unscaled) gradients, one per entry, equal on every rank;
-    the slices of tensor-parallel parameters summed over the Topology's tensor group."""
+    the slices of tensor-parallel parameters summed over the Topology's tensor group, the
+    experts split by expert parallelism over their expert-data group (whose partitions are not
+    the data-parallel group's under tensor parallelism) and then over the expert group."""
     device = device or next(engine.module.parameters()).device
     sq = torch.zeros(len(grads), dtype=torch.float32, device=device)
     mine = [i for i, g in enumerate(grads) if g.grad is not None and g.grad.numel()]
     if mine:
         parts = [grads[i].grad.float().pow(2).sum() for i in mine]
         sq[mine] = torch.stack(parts).to(device)
+    experts = [i for i, g in enumerate(grads) if g.expert]
+    if experts:  # this rank's experts over the ranks holding them, then every rank's experts
+        expert_sq = sq[experts].clone()
+        comm.all_reduce(expert_sq, group=topology.expert_data_group)
+        comm.all_reduce(expert_sq, group=topology.expert_group)
+        sq[experts] = 0  # kept out of the data-parallel sum below
     if any(g.partitioned for g in grads) and dist.is_initialized():
         # Whole copies must count once: only the first rank of the group contributes them.
         group = data_parallel_group(engine)
@@ -110,6 +121,8 @@ def grad_norms(engine, grads: List[LocalGrad], topology, device=None) -> torch.T
         part = sq[sharded].clone()
         comm.all_reduce(part, group=topology.tensor_group)
         sq[sharded] = part
+    if experts:
+        sq[experts] = expert_sq
     return sq.sqrt() / loss_scale(engine)
 
 

@@ -1,8 +1,11 @@
 """This rank's slices of the fp32 master weights, under any ZeRO stage, without communication.
 
-Each Shard is one parameter's slice held here: its flat range [start, start + numel) in the full
-parameter, a view of the fp32 master values (what the optimizer updates), and a view of the
-low-precision copy the forward pass reads (None where the master is the parameter itself).
+Each Shard is one parameter's slice held here: its flat range [start, start + numel) in the
+parameter as this rank holds it, a view of the fp32 master values (what the optimizer updates),
+and a view of the low-precision copy the forward pass reads (None where the master is the
+parameter itself). Under expert parallelism a rank holds some experts of each stacked expert
+tensor: `base` places its part in the whole tensor (`shape`), so slices saved by every rank
+assemble into the whole.
 """
 from dataclasses import dataclass
 from typing import List, Optional
@@ -12,6 +15,7 @@ import torch.distributed as dist
 
 from dr_scale.runtime import comm
 from dr_scale.compat.grads import data_parallel_group
+from dr_scale.parallel.expert import expert_slice
 
 
 @dataclass
@@ -22,6 +26,13 @@ class Shard:
     numel: int
     master: torch.Tensor           # fp32, flat, `numel` elements
     lp: Optional[torch.Tensor]     # flat view the forward reads, or None
+    base: int = 0                  # where this rank's part of the parameter starts in the whole
+    expert: bool = False           # split by expert parallelism (its ZeRO partitions and replicas
+                                   # are over the expert-data group)
+
+    @property
+    def whole_start(self) -> int:
+        return self.base + self.start
 
 
 def local_shards(engine) -> List[Shard]:
@@ -52,6 +63,12 @@ def local_shards(engine) -> List[Shard]:
         elif p.dtype == torch.float32 and not hasattr(opt, "bit16_groups"):
             out.append(Shard(name, tuple(p.shape), 0, p.numel(), p.data.view(-1), None))
         # else: ZeRO-1/2 gave this rank no fragment of p
+        placed = expert_slice(p)
+        if placed is not None and out and out[-1].name == name:
+            first, num_experts = placed
+            per_expert = p.numel() // p.shape[0]
+            out[-1].base, out[-1].expert = first * per_expert, True
+            out[-1].shape = (num_experts, *p.shape[1:])
     return out
 
 
@@ -64,13 +81,16 @@ def _zero0_masters(opt) -> dict:
     return {id(lp): hp for lg, hg in zip(lp_groups, hp_groups) for lp, hp in zip(lg, hg)}
 
 
-def write_values(engine, shards: List[Shard], values: List[torch.Tensor]):
+def write_values(engine, shards: List[Shard], values: List[torch.Tensor], topology):
     """Make the forward pass read ``values`` (one per shard). ZeRO-3 ranks write their own
-    partitions (the forward gathers them); under ZeRO-1/2 each whole parameter is assembled from
-    every rank's fragment (an all-reduce per parameter over the data-parallel group, on every rank
-    in the same order; tensor ranks hold different slices and stay apart)."""
+    partitions (the forward gathers them); under ZeRO-1/2 each parameter as this rank holds it is
+    assembled from the fragments of the ranks that share it (an all-reduce per parameter, on
+    every rank in the same order): the data-parallel group, or for experts split by expert
+    parallelism (the run's Topology) their expert-data group; tensor ranks hold different slices
+    and stay apart."""
     gather = engine.zero_optimization_stage() in (1, 2)
     mine = {s.name: (s, v) for s, v in zip(shards, values)}
+    experts = {name for name, p in engine.module.named_parameters() if expert_slice(p)}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -85,6 +105,7 @@ def write_values(engine, shards: List[Shard], values: List[torch.Tensor]):
         full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         if entry is not None:
             full.narrow(0, entry[0].start, entry[0].numel).copy_(entry[1])
-        if gather:  # fragments are disjoint across the data-parallel group: their sum is p
-            comm.all_reduce(full, group=data_parallel_group(engine))
+        if gather:  # fragments are disjoint across the group: their sum is p
+            comm.all_reduce(full, group=topology.expert_data_group if name in experts
+                            else data_parallel_group(engine))
         p.data.copy_(full.view_as(p))

@@ -167,6 +167,7 @@ def split_experts(model: nn.Module, topo: Topology) -> int:
             logical = [shard.num_experts, *param.shape[1:]]
             affine = autoep_placement_to_affine_map(moe.expert_placement_descriptor, logical)
             param.allreduce = False  # reduced over the expert-data group, not all of DP
+            param.expert_slice = (shard.first, shard.num_experts)  # read by expert_slice()
             param.group_name = moe.ep_group_name
             # Under TP the expert-data group spans the tensor group, so a rank's ZeRO partition
             # of the experts is its own, not a replica; DeepSpeed's gradient norm counts a
@@ -179,6 +180,13 @@ def split_experts(model: nn.Module, topo: Topology) -> int:
                 AUTOEP_PARAM_EP_RANK: shard.ep_rank, AUTOEP_PARAM_LOCAL_EXPERTS: local})
     _experts_out_of_autotp_record(model)
     return len(blocks)
+
+
+def expert_slice(param):
+    """(the global index of this rank's first expert, the number of experts) for a parameter
+    split by expert parallelism; None for every other parameter (whole on each rank, or split by
+    tensor parallelism, which the callers handle apart)."""
+    return getattr(param, "expert_slice", None)
 
 
 def _experts_out_of_autotp_record(model: nn.Module) -> None:

@@ -140,6 +140,11 @@ class Topology:
         """This rank's expert-parallel process group (None without expert parallelism)."""
         return self.groups.expert if self.groups is not None else None
 
+    @property
+    def expert_data_group(self):
+        """The ranks holding this rank's experts (None without expert parallelism)."""
+        return self.groups.expert_data if self.groups is not None else None
+
 
 @dataclass(frozen=True)
 class ProcessGroups:
@@ -151,6 +156,8 @@ class ProcessGroups:
     tensor: Any = None         # this rank's tensor-parallel group
     pipe_topology: Any = None  # DeepSpeed's PipeModelDataParallelTopology (pipelined)
     expert: Any = None         # this rank's expert-parallel group
+    expert_data: Any = None    # the ranks holding the same experts as this one (their ZeRO
+                               # partitions and gradient reduction; under TP, all tensor ranks)
 
     @classmethod
     def make(cls, topo: Topology) -> "ProcessGroups":
@@ -170,8 +177,10 @@ class ProcessGroups:
             groups._create_expert_and_data_parallel(expert_parallel_size_=topo.expert,
                                                     mp_size=topo.tensor, pp_size=1,
                                                     mp_mode="tp")
+            name = f"ep_size_{topo.expert}"
             return dataclasses.replace(
-                made, expert=groups._get_expert_parallel_group(f"ep_size_{topo.expert}"))
+                made, expert=groups._get_expert_parallel_group(name),
+                expert_data=groups._get_expert_data_parallel_group(name))
         if topo.autotp:
             return made
         if topo.pipelined:
