@@ -105,10 +105,13 @@ def make_inputs(op: str, p: Problem, device, dtype, seed: int = 0) -> Tuple[tupl
             bounds = torch.arange(p.seq, device=device) * p.documents // p.seq
             kwargs["doc_ids"] = bounds.to(torch.int32).expand(p.batch, p.seq).contiguous()
         return (q, k, v), kwargs
-    if op == "experts":  # the routed rows, spread evenly over the experts
+    if op == "experts":
+        # the routed rows spread unevenly, as training meets them (0.5x to 1.5x the mean, the
+        # remainder on the first): groups of odd sizes, which a GPU's grouped matmul must pad
         rows = p.tokens * p.top_k
-        counts = torch.full((p.experts,), rows // p.experts, dtype=torch.int64)
-        counts[: rows % p.experts] += 1
+        share = torch.linspace(0.5, 1.5, p.experts, dtype=torch.float64)
+        counts = (rows * share / share.sum()).floor().to(torch.int64)
+        counts[0] += rows - counts.sum()
         f = p.expert_ffn
         w = [t(*s, scale=p.hidden ** -0.5) for s in ((p.experts, f, p.hidden),
                                                     (p.experts, p.hidden, f),
