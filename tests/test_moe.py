@@ -40,7 +40,8 @@ def hf_block(ours: SparseMoE):
 
 def moe_block(capacity_factor=None, seed=0):
     torch.manual_seed(seed)
-    block = SparseMoE(HIDDEN, FFN, MoEShape(EXPERTS, 2, capacity_factor))
+    block = SparseMoE(HIDDEN, FFN, MoEShape.parse(dict(num_experts=EXPERTS, top_k=2,
+                                                     capacity_factor=capacity_factor)))
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.1)
@@ -188,6 +189,76 @@ def test_presets_count_as_the_published_models():
     assert active == n - 32 * 6 * 3 * 4096 * 14336 == 12_879_925_248
     embedding, norms = 32000 * 4096, (2 * 32 + 1) * 4096  # not matmuls
     assert spec.flops_per_token(shape, 0) == 6 * (active - embedding - norms)
+
+
+def test_capacity_drops_in_training_only():
+    """Evaluation scores as the drop-free export does: the capped block in eval mode gives the
+    drop-free output and drops nothing."""
+    x = tokens(256)
+    free, capped = moe_block(), moe_block(capacity_factor=0.5)
+    with torch.no_grad():
+        want = free.eval()(x)
+        got = capped.eval()(x)
+    assert torch.equal(got, want) and capped.stats.dropped.item() == 0
+
+
+def test_top_1_router_learns_from_the_lm_loss():
+    """top_k = 1 keeps Switch's raw probability as the weight (route_norm defaults to false), so
+    the router's gradient from the output is not zero; renormalised, the weight is always 1 and
+    the router would get none."""
+    grads = {}
+    for route_norm in (None, True):
+        torch.manual_seed(0)
+        block = SparseMoE(HIDDEN, FFN, MoEShape.parse(dict(num_experts=EXPERTS, top_k=1,
+                                                           route_norm=route_norm)))
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0, 0.1)
+        (block(tokens(128)) * torch.linspace(-1, 1, HIDDEN)).sum().backward()
+        grads[route_norm] = block.gate.weight.grad.abs().max().item()
+    assert block.moe.route_norm is True and grads[True] < 1e-5  # rounding of w / w only
+    assert grads[None] > 1e-3
+
+
+def test_router_losses_are_summed_over_layers():
+    """Megatron's and DeepSeek's convention: each MoE layer's balance loss (1 at balance) and
+    z-loss weighted by its coefficient and summed; the loss line shows their mean per layer;
+    `sequence` scope averages each sequence's own balance loss."""
+    from dr_scale.models.moe import router_losses
+
+    blocks = [moe_block(seed=s) for s in (0, 1, 2)]
+    x = tokens(64)
+    for b in blocks:
+        b(x)
+    aux = torch.stack([b.stats.aux_loss for b in blocks])
+    z = torch.stack([b.stats.z_loss for b in blocks])
+    total, figures = router_losses(blocks, blocks[0].moe)
+    assert total.item() == pytest.approx((0.01 * aux.sum() + 0.001 * z.sum()).item(), rel=1e-6)
+    assert figures["aux_loss"].item() == pytest.approx(aux.mean().item(), rel=1e-6)
+    assert 0.9 < aux.min().item()  # E x sum f P >= ~1 (1 when balanced)
+
+    per_sequence = SparseMoE(HIDDEN, FFN, MoEShape.parse(dict(
+        num_experts=EXPERTS, top_k=2, aux_loss_scope="sequence")))
+    per_sequence.load_state_dict(blocks[0].state_dict())
+    batch = torch.cat([tokens(64, seed=1), tokens(64, seed=2)])
+    per_sequence(batch)
+    each = []
+    for i in range(2):
+        blocks[0](batch[i:i + 1])
+        each.append(blocks[0].stats.aux_loss)
+    assert per_sequence.stats.aux_loss.item() == pytest.approx(
+        torch.stack(each).mean().item(), rel=1e-6)
+
+
+def test_transformers_coefficient_is_converted():
+    """transformers pools the layers and counts top_k at balance: moe_tiny's 0.01 per layer over
+    4 layers at top-2 is its 0.02, and an import gives 0.01 back."""
+    from dr_scale.models.mixtral import hf_config, shape_from_hf
+
+    shape = resolve_shape(ModelConfig(preset="moe_tiny"))
+    config = hf_config(shape, 0)
+    assert config["router_aux_loss_coef"] == 0.02
+    assert shape_from_hf(config, "config.json")["moe"]["aux_loss_coeff"] == 0.01
 
 
 @pytest.mark.parametrize("fields, pattern", [

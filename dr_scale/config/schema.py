@@ -8,15 +8,42 @@ from dr_scale.config.typed import Section, field
 @dataclass
 class MoEConfig(Section):
     # Any field set here overrides the preset's (models/moe.py MoEShape).
-    num_experts: Optional[int] = field(None, min=1, help="experts per MoE block")
+    num_experts: Optional[int] = field(None, min=1, help="routed experts per MoE block")
     top_k: Optional[int] = field(None, min=1, help="experts each token is routed to")
+    expert_ffn: Optional[int] = field(None, min=1, help="an expert's width (null: "
+                                      "model.ffn_hidden_size)")
+    shared_experts: Optional[int] = field(None, min=0, help="experts every token passes "
+                                          "through (DeepSeek, Qwen-MoE)")
+    shared_ffn: Optional[int] = field(None, min=1, help="the shared experts' width together "
+                                      "(null: shared_experts x expert_ffn)")
+    shared_gate: Optional[bool] = field(None, help="a sigmoid gate on the shared experts' "
+                                        "output (Qwen-MoE)")
+    dense_layers: Optional[int] = field(None, min=0, help="the first blocks keep a dense MLP "
+                                        "of ffn_hidden_size")
+    score: Optional[str] = field(None, choices=("softmax", "sigmoid"),
+                                 help="the router's scores (softmax: Mixtral, Qwen; sigmoid: "
+                                 "DeepSeek-V3)")
+    route_norm: Optional[bool] = field(None, help="renormalise the chosen scores to sum to 1 "
+                                       "(null: when top_k > 1)")
+    route_scale: Optional[float] = field(None, min=0.0, help="scale of the routed output "
+                                         "(DeepSeek-V3's routed_scaling_factor)")
+    bias_update_rate: Optional[float] = field(
+        None, min=0.0, help="auxiliary-loss-free balancing: each expert's routing bias moves "
+        "by this toward the mean load after every step (DeepSeek-V3: 0.001); 0: off")
+    expert_bias: Optional[bool] = field(None, help="the routing has a per-expert bias, saved "
+                                        "and exported (null: where bias_update_rate > 0)")
     capacity_factor: Optional[float] = field(
         None, min=0.0, help="an expert takes at most factor x tokens x top_k / experts of a "
-        "micro-batch's assignments, the rest dropped; null or 0: drop-free")
-    aux_loss_coeff: Optional[float] = field(None, min=0.0, help="load-balancing loss weight "
-                                            "(default 0.01)")
-    z_loss_coeff: Optional[float] = field(None, min=0.0, help="router z-loss weight "
-                                          "(default 0.001)")
+        "training micro-batch's assignments, the rest dropped (never at evaluation); null or "
+        "0: drop-free")
+    aux_loss_coeff: Optional[float] = field(None, min=0.0, help="load-balancing loss weight per "
+                                            "MoE layer, the layers summed (Megatron's "
+                                            "moe_aux_loss_coeff; default 0.01)")
+    aux_loss_scope: Optional[str] = field(None, choices=("micro_batch", "sequence"),
+                                          help="the balance measured over each micro-batch "
+                                          "or each sequence (DeepSeek-V3)")
+    z_loss_coeff: Optional[float] = field(None, min=0.0, help="router z-loss weight per MoE "
+                                          "layer, summed (default 0.001)")
 
 
 @dataclass

@@ -133,6 +133,9 @@ def open_weights(folder, shape_fields: dict):
         return weights
     shape = ModelShape(**_complete(shape_fields))
     ours = {n: tuple(t.shape) for n, t in build_model(shape, "meta").state_dict().items()}
+    if any(n.endswith(".experts.gate_up_proj") for n in weights.shapes):
+        # transformers 5 saves a mixture of experts as it holds it: all experts in one tensor
+        return AdaptedWeights(weights, tensors(shape, fused=True), ours)
     return AdaptedWeights(weights, tensors(shape), ours)
 
 

@@ -78,6 +78,15 @@ class ModelShape:
         signature = {k: getattr(self, k) for k in keys}
         if self.moe is not None:
             signature["num_experts"] = self.moe.num_experts
+            # the experts' layout where it is not the plain one (older checkpoints lack them)
+            moe, f = self.moe, self.ffn_hidden_size
+            for key, value, plain in (("expert_ffn", moe.expert_width(f), f),
+                                      ("shared_ffn", moe.shared_width(f), 0),
+                                      ("shared_gate", moe.shared_gate, False),
+                                      ("dense_layers", moe.dense_layers, 0),
+                                      ("expert_bias", moe.expert_bias, False)):
+                if value != plain:
+                    signature[f"moe_{key}"] = value
         return signature
 
 

@@ -92,5 +92,5 @@ def kernel_problem(shape, cfg, topo) -> measured.Problem:
         # the experts see a micro-batch's routed rows (under expert parallelism about as many,
         # from the group's ranks, over its experts)
         experts=shape.moe.num_experts // topo.expert if shape.moe else 0,
-        expert_ffn=shape.ffn_hidden_size if shape.moe else 0,
+        expert_ffn=shape.moe.expert_width(shape.ffn_hidden_size) if shape.moe else 0,
         top_k=shape.moe.top_k if shape.moe else 0)

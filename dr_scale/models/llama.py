@@ -16,7 +16,8 @@ from dr_scale.registry import MODEL_REGISTRY
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, shape, qkv_bias: bool = False):
+    def __init__(self, shape, qkv_bias: bool = False, index: int = 0):
+        """`index`: the block's place (a family whose blocks differ by depth reads it)."""
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.self_attn = SelfAttention(shape, bias=qkv_bias, out_bias=False)
@@ -32,7 +33,7 @@ class LlamaBody(nn.Module):
     def __init__(self, shape, qkv_bias: bool = False, block=LlamaBlock):
         super().__init__()
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(block(shape, qkv_bias) for _ in range(shape.num_layers))
+        self.layers = nn.ModuleList(block(shape, qkv_bias, i) for i in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.norm_eps)
         self.rotary = Rotary(shape.head_dim, shape.max_seq_length, shape.rope_theta,
                              shape.rope_scaling)

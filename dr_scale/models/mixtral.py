@@ -1,28 +1,33 @@
 """Mixtral-style mixture-of-experts decoder: the Llama block (RMSNorm, rotary, grouped-query
-attention) with its MLP replaced by top-k of N SwiGLU experts (models/moe.py).
+attention) with its MLP replaced by top-k of N SwiGLU experts (models/moe.py), and the MoE
+decoder the other expert families (qwen2_moe.py, glm4_moe.py) build on: optional dense first
+blocks and shared experts come from the shape (model.moe).
 
 Parameter names follow transformers' MixtralForCausalLM in memory (model.layers.N.mlp.gate,
 .mlp.experts); the experts are stacked per projection (w1, w2, w3), and the folder transformers
 writes and reads keeps one tensor per expert (block_sparse_moe.experts.E.w1.weight): export and
-import slice or stack them (`hf_tensors`).
+import slice or stack them (models/moe_hf.py).
 """
 from torch import nn
 
 from dr_scale.errors import DrScaleError
-from dr_scale.models import llama
-from dr_scale.models.layers import RMSNorm, SelfAttention
+from dr_scale.models import llama, moe_hf
+from dr_scale.models.layers import RMSNorm, SelfAttention, SwiGLU
 from dr_scale.models.moe import SparseMoE, router_losses
-from dr_scale.models.spec import HFFormat, HFTensor, ModelSpec
+from dr_scale.models.spec import HFFormat, ModelSpec
 from dr_scale.registry import MODEL_REGISTRY
 
 
 class MixtralBlock(nn.Module):
-    def __init__(self, shape, qkv_bias: bool = False):
+    def __init__(self, shape, qkv_bias: bool = False, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
-        self.self_attn = SelfAttention(shape, bias=qkv_bias)
+        self.self_attn = SelfAttention(shape, bias=qkv_bias, out_bias=False)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.norm_eps)
-        self.mlp = SparseMoE(shape.hidden_size, shape.ffn_hidden_size, shape.moe)
+        if shape.moe.is_moe_layer(index):
+            self.mlp = SparseMoE(shape.hidden_size, shape.ffn_hidden_size, shape.moe)
+        else:  # DeepSeek's dense first blocks: the model's MLP width
+            self.mlp = SwiGLU(shape.hidden_size, shape.ffn_hidden_size)
 
     def forward(self, x, rotary, doc_ids=None):
         x = x + self.self_attn(self.input_layernorm(x), rotary, doc_ids)
@@ -38,7 +43,10 @@ class MixtralForCausalLM(llama.LlamaForCausalLM):
 
     def __init__(self, shape):
         if shape.moe is None:
-            raise DrScaleError("model.moe.num_experts: the mixtral family needs experts")
+            raise DrScaleError(f"model.moe.num_experts: the {shape.arch} family needs experts")
+        if shape.moe.dense_layers >= shape.num_layers:
+            raise DrScaleError(f"model.moe.dense_layers={shape.moe.dense_layers}: leaves no "
+                               f"mixture-of-experts block of {shape.num_layers}")
         super().__init__(shape)
         self.loss_parts = {}
 
@@ -53,11 +61,15 @@ class MixtralForCausalLM(llama.LlamaForCausalLM):
 
 
 def hf_config(shape, eod_id: int) -> dict:
+    moe = shape.moe
+    moe_hf.refuse_unless(shape, "MixtralForCausalLM", score="softmax", route_norm=True,
+                         route_scale=1.0, shared_experts=False, dense_layers=0,
+                         expert_bias=False, expert_ffn=False)
     cfg = llama.hf_config(shape, eod_id, architecture="MixtralForCausalLM", model_type="mixtral")
     for llama_only in ("attention_bias", "mlp_bias"):
         del cfg[llama_only]
-    cfg.update(num_local_experts=shape.moe.num_experts, num_experts_per_tok=shape.moe.top_k,
-               router_aux_loss_coef=shape.moe.aux_loss_coeff, output_router_logits=False,
+    cfg.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+               router_aux_loss_coef=moe_hf.aux_coef_to_hf(shape), output_router_logits=False,
                router_jitter_noise=0.0, sliding_window=None)
     return cfg
 
@@ -72,48 +84,33 @@ def shape_from_hf(config: dict, source: str) -> dict:
                            "routing); set it to 0")
     fields = llama.decoder_fields(config, source, "mixtral")
     try:
-        fields["moe"] = dict(num_experts=config["num_local_experts"],
-                             top_k=config["num_experts_per_tok"],
-                             aux_loss_coeff=config.get("router_aux_loss_coef", 0.01))
+        top_k = config["num_experts_per_tok"]
+        fields["moe"] = dict(num_experts=config["num_local_experts"], top_k=top_k,
+                             route_norm=True,  # Mixtral always renormalises, top-1 too
+                             aux_loss_coeff=moe_hf.aux_coef_from_hf(config, fields, top_k))
     except KeyError as e:
         raise DrScaleError(f"{source}: missing key {e.args[0]!r}") from None
     return fields
 
 
-def hf_tensors(shape) -> list:
+def hf_tensors(shape, fused: bool = False) -> list:
     """transformers' checkpoint tensors from ours: the router under `block_sparse_moe.gate`, and
-    each expert's w1/w2/w3 one tensor apiece (`index`: expert e of our stacked tensor)."""
-    d, f, vocab = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
-    kv = shape.num_kv_heads * shape.head_dim
-    out = [HFTensor("model.embed_tokens.weight", (vocab, d), ("model.embed_tokens.weight",)),
-           HFTensor("model.norm.weight", (d,), ("model.norm.weight",))]
-    if not shape.tie_embeddings:
-        out.append(HFTensor("lm_head.weight", (vocab, d), ("lm_head.weight",)))
-    for i in range(shape.num_layers):
-        layer = f"model.layers.{i}"
-        out += [HFTensor(f"{layer}.{n}.weight", (d,), (f"{layer}.{n}.weight",))
-                for n in ("input_layernorm", "post_attention_layernorm")]
-        out += [HFTensor(f"{layer}.self_attn.{p}_proj.weight", rows_cols,
-                         (f"{layer}.self_attn.{p}_proj.weight",))
-                for p, rows_cols in (("q", (d, d)), ("k", (kv, d)), ("v", (kv, d)),
-                                     ("o", (d, d)))]
-        out.append(HFTensor(f"{layer}.block_sparse_moe.gate.weight", (shape.moe.num_experts, d),
-                            (f"{layer}.mlp.gate.weight",)))
-        for e in range(shape.moe.num_experts):
-            for w, rows_cols in (("w1", (f, d)), ("w2", (d, f)), ("w3", (f, d))):
-                out.append(HFTensor(f"{layer}.block_sparse_moe.experts.{e}.{w}.weight",
-                                    rows_cols, (f"{layer}.mlp.experts.{w}",), index=e))
-    return out
+    each expert's w1/w2/w3 one tensor apiece; `fused`: transformers 5's layout in memory
+    (`mlp.gate`, `mlp.experts.gate_up_proj` and `down_proj`, all experts in one tensor)."""
+    if fused:
+        return moe_hf.tensors(shape, moe_hf.FUSED)
+    return moe_hf.tensors(shape, moe_hf.Names(
+        router="block_sparse_moe.gate",
+        expert="block_sparse_moe.experts.{e}.{w}", projections=("w1", "w2", "w3")))
 
 
 _MIXTRAL = dict(arch="mixtral", tie_embeddings=False, norm_eps=1e-5, rope_theta=1000000.0)
 
 SPEC = MODEL_REGISTRY.register("mixtral", ModelSpec(
     arch="mixtral", module=MixtralForCausalLM, gated_mlp=True, rotary=True, experts=True,
-    # attention only: the experts are not split by tensor parallelism
-    tp_plan=(
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"}),
+    # attention only: the experts (and any shared experts, dense first MLPs) are not split by
+    # tensor parallelism; replicated over the tensor group, they compute the same gradients
+    tp_plan=moe_hf.ATTENTION_TP_PLAN,
     # no sequence parallelism: the experts, replicated over the tensor group, would each see a
     # slice of the sequence and need their gradients summed over the group, which AutoTP's
     # replicated parameters do not get

@@ -106,21 +106,28 @@ class ModelSpec:
     def mlp_matrices(self) -> int:
         return 3 if self.gated_mlp else 2
 
-    def active_mlp_params(self, shape) -> int:
-        """The MLP matrices' parameters one token passes through in one block: the dense MLP,
-        or its top-k experts and the router (mixture of experts)."""
-        d, f = shape.hidden_size, shape.ffn_hidden_size
+    def active_mlp_params(self, shape) -> float:
+        """The MLP matrices' parameters one token passes through in a block, averaged over the
+        blocks: the dense MLP; or in a mixture of experts' blocks its top-k experts, any shared
+        experts (and their gate) and the router, in its dense first blocks the dense MLP."""
+        d, f, m = shape.hidden_size, shape.ffn_hidden_size, self.mlp_matrices
         if shape.moe is None:
-            return self.mlp_matrices * d * f
-        return shape.moe.top_k * self.mlp_matrices * d * f + d * shape.moe.num_experts
+            return m * d * f
+        moe = shape.moe
+        sparse = moe.top_k * m * d * moe.expert_width(f) + d * moe.num_experts
+        if moe.shared_experts or moe.shared_ffn:
+            sparse += m * d * moe.shared_width(f) + (d if moe.shared_gate else 0)
+        dense = moe.dense_layers
+        return (dense * m * d * f + (shape.num_layers - dense) * sparse) / shape.num_layers
 
     def active_parameters(self, shape, total: int) -> int:
         """The parameters one token uses, of `total`: all but the experts it is not routed to."""
         if shape.moe is None:
             return total
-        idle = shape.moe.num_experts - shape.moe.top_k
-        return total - shape.num_layers * idle * self.mlp_matrices * shape.hidden_size \
-            * shape.ffn_hidden_size
+        moe = shape.moe
+        idle = moe.num_experts - moe.top_k
+        return total - (shape.num_layers - moe.dense_layers) * idle * self.mlp_matrices \
+            * shape.hidden_size * moe.expert_width(shape.ffn_hidden_size)
 
     # What one token costs, from the family's block (attention with grouped k/v projections,
     # the MLP's matrices) and a shape: one place for the start line, the metrics, the estimator.
@@ -160,7 +167,15 @@ class ModelSpec:
         attention = bytes_per * (h + (h + 2 * kv) + h + h)  # input, q/k/v, output, o_proj input
         # input; gated (SwiGLU, lean_torch.py or fused): gate, up, their product; GeLU: fc_in
         # output, gelu output; a mixture of experts: that for each of its top-k experts, and
-        # the routed copy of the input each one reads
-        k = 1 if shape.moe is None else shape.moe.top_k
-        mlp = bytes_per * (h + k * (self.mlp_matrices * f + (h if shape.moe else 0)))
-        return norms + attention + mlp
+        # the routed copy of the input each one reads, and for its shared experts (averaged
+        # over the blocks with its dense first blocks)
+        if shape.moe is None:
+            return norms + attention + bytes_per * (h + self.mlp_matrices * f)
+        moe = shape.moe
+        shared = moe.shared_width(f) if (moe.shared_experts or moe.shared_ffn) else 0
+        sparse = h + moe.top_k * (self.mlp_matrices * moe.expert_width(f) + h) \
+            + self.mlp_matrices * shared
+        dense = h + self.mlp_matrices * f
+        layers, dense_layers = shape.num_layers, moe.dense_layers
+        mlp = (dense_layers * dense + (layers - dense_layers) * sparse) / layers
+        return norms + attention + bytes_per * mlp

@@ -22,7 +22,9 @@ from dr_scale.runtime import hangs
 from dr_scale.runtime.watchdog import Watchdog
 from dr_scale.runtime.preemption import StopSignals
 from dr_scale.train import step_runner
+from dr_scale.compat.grads import data_parallel_group
 from dr_scale.train.evaluator import Evaluator
+from dr_scale.train.expert_balance import ExpertBalance
 from dr_scale.train.metrics import reset_peak_memory
 from dr_scale.train.step_metrics import StepMetrics
 
@@ -61,6 +63,8 @@ class Trainer:
         self.evaluator = Evaluator(engine, sources.valid, batch_sizes["micro"], topology,
                                    self.device, self.steps)
         self.model_signature = engine.module.shape.weights_signature()
+        # the routers' biases, where auxiliary-loss-free balancing is on
+        self.balance = ExpertBalance.of(engine.module, topology, data_parallel_group(engine))
         self.writer = CheckpointWriter(engine, self.run_dir / "checkpoints", topology,
                                        cfg.train.keep_checkpoints, cfg.train.async_save,
                                        cfg.train.collective_timeout_s, cfg.train.async_snapshot)
@@ -103,11 +107,16 @@ class Trainer:
         self.last_loss = loss
 
     def _after_backward(self, micro: int):
+        if self.balance is not None:
+            self.balance.after_backward()
         self.callbacks.fire("after_backward", self, self.step, micro)
 
     def _before_update(self):
         with hangs.doing(f"step {self.step + 1}: waiting for checkpoint writes"):
             self.writer.before_update()  # they read the weights the step now changes
+        if self.balance is not None:  # (the routing biases too: after the writes)
+            with hangs.doing(f"step {self.step + 1}: the experts' load"):
+                self.balance.before_update()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -22,8 +22,11 @@ LAYOUTS = {  # ranks, tensor, pipeline, DeepSpeed JSON
     "zero3x1": (1, 1, 1, "zero3"), "zero3x2": (2, 1, 1, "zero3"),
     "tp2": (2, 2, 1, "zero3"), "pp2": (2, 1, 2, "zero1"),
 }
-FAMILIES = {"llama": "tiny", "qwen2": "qwen2_tiny", "gpt2": "gpt2_tiny", "mixtral": "moe_tiny"}
-UNPIPELINED = {"mixtral"}  # refused under pipeline parallelism
+# the mixture of experts as the DeepSeek-style family: Mixtral's block and more (a dense first
+# block, a shared expert, sigmoid routing and its bias buffer)
+FAMILIES = {"llama": "tiny", "qwen2": "qwen2_tiny", "gpt2": "gpt2_tiny",
+            "glm4_moe": "deepseek_moe_tiny"}
+UNPIPELINED = {"glm4_moe"}  # refused under pipeline parallelism
 VOCAB = 512
 
 
