@@ -39,9 +39,12 @@ WITH_EMA = {"EP 2 x DP 2", "TP 2 x EP 2 x DP 2"}
 # name: (ranks, EP, TP); under TP 2 the attention is split and the experts replicated over it
 # "checkpointed": activation checkpointing, the blocks' all-to-alls run again in the backward
 # "TP 2 x EP 2 x DP 2": two replicas of each expert per tensor rank, so only some ranks write
+# "EP 2 ZeRO-3": the experts partitioned over their expert-data groups (DeepSpeed's AutoEP
+# placement), the rest over all data-parallel ranks
 LAYOUTS = {"1 rank": (1, 1, 1), "EP 2": (2, 2, 1), "EP 2 x DP 2": (4, 2, 1),
            "TP 2 x EP 2": (4, 2, 2), "EP 2 checkpointed": (2, 2, 1),
-           "TP 2 x EP 2 x DP 2": (8, 2, 2)}
+           "TP 2 x EP 2 x DP 2": (8, 2, 2), "EP 2 ZeRO-3": (2, 2, 1)}
+ZERO3 = {"EP 2 ZeRO-3"}
 
 
 def layout_args(ep, tp=1):
@@ -51,13 +54,14 @@ def layout_args(ep, tp=1):
 @pytest.fixture(scope="module")
 def ep_runs(request, cache_dir, tmp_path_factory):
     base = module_folder(request, tmp_path_factory, "ep")
-    ds = fp32_config(base, 2)
+    ds = {2: fp32_config(base, 2), 3: fp32_config(base, 3)}
     runs = {}
     for name, (ranks, ep, tp) in LAYOUTS.items():
         runs[name] = base / name.replace(" ", "_")
         checkpointed = ["parallel.activation_checkpointing=full"] if "checkpointed" in name else []
-        launch(["--ds_config", ds, "--run_dir", runs[name], *COMMON, *layout_args(ep, tp),
-                *checkpointed, *(EMA if name in WITH_EMA else [])], ranks, cache_dir)
+        launch(["--ds_config", ds[3 if name in ZERO3 else 2], "--run_dir", runs[name], *COMMON,
+                *layout_args(ep, tp), *checkpointed, *(EMA if name in WITH_EMA else [])],
+               ranks, cache_dir)
     return ds, runs
 
 
@@ -115,7 +119,9 @@ def test_layouts_give_the_same_losses(ep_runs):
     # its writers, one per tensor rank, chosen by each rank's place: by the expert-data group's
     # rank numbers (which torch sorts) both were tensor rank 0's, and this resume was refused
     # ("checkpoint count 1 is different from saved mp_world_size 2")
-    ("TP 2 x EP 2 x DP 2", 8, 2, 2, False)])
+    ("TP 2 x EP 2 x DP 2", 8, 2, 2, False),
+    # ZeRO-3's expert partitions re-laid for twice the data-parallel ranks
+    ("EP 2 ZeRO-3", 4, 2, 1, False)])
 def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_dir, tmp_path,
                                                                source, ranks, ep, tp, ahead):
     """Stopped after step 3's checkpoint, resumed: on its own layout the same numbers; with
@@ -131,8 +137,8 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
         assert cli.returncode == 0 and f"(EP {ep})" in cli.stdout, cli.stderr[-2000:]
     same_layout = LAYOUTS[source] == (ranks, ep, tp)
     ema = EMA if same_layout and source in WITH_EMA else []  # its EMA resumed with it
-    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto", *COMMON,
-                   *layout_args(ep, tp), *ema], ranks, cache_dir)
+    proc = launch(["--ds_config", ds[3 if source in ZERO3 else 2], "--run_dir", run,
+                   "--resume", "auto", *COMMON, *layout_args(ep, tp), *ema], ranks, cache_dir)
     assert ("resharding" in proc.stdout) == (not same_layout and not ahead), proc.stdout[-2000:]
     want, got = losses(runs[source], after=3), losses(run, after=3)
     assert sorted(got) == [4, 5, 6]
@@ -143,7 +149,7 @@ def test_resume_continues_on_the_same_or_another_expert_layout(ep_runs, cache_di
             assert r["loss"] == pytest.approx(want[step]["loss"], rel=1e-4), step
 
 
-@pytest.mark.parametrize("name", ["EP 2 x DP 2", "TP 2 x EP 2"])
+@pytest.mark.parametrize("name", ["EP 2 x DP 2", "TP 2 x EP 2", "EP 2 ZeRO-3"])
 def test_export_of_an_expert_parallel_run_is_scored_as_the_run(ep_runs, tmp_path, name):
     from dr_scale.export.score import score
 
@@ -177,14 +183,25 @@ def test_tensor_and_expert_parallel_checkpoint_refuses_another_layout(ep_runs):
                                            r"parallelism; resume it on its own layout") as e:
         reshard_plan(ckpt, "step_00000006", TargetLayout(4, 2, tensor=1, expert=2))
     assert "\n" not in str(e.value)
+    # ZeRO-3's experts change expert-parallel size in no direction (measured: DeepSpeed's load
+    # "is missing its EP group name"), from ZeRO-3 or into it
+    zero3, zero2 = runs["EP 2 ZeRO-3"] / "checkpoints", runs["EP 2"] / "checkpoints"
+    for ckpt, stage in ((zero3, 3), (zero3, 1), (zero2, 3)):
+        with pytest.raises(DrScaleError, match=r"changes the expert-parallel size through its "
+                                               r"universal form at ZeRO-1/2 only") as e:
+            reshard_plan(ckpt, "step_00000006", TargetLayout(2, stage, expert=1))
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("preset, world, ep, ds, extra, pattern", [
     ("tiny", 2, 2, "zero2", {}, r"parallel\.expert_parallel=2: the model has no experts"),
     ("moe_tiny", 4, 3, "zero2", {}, r"expected a divisor of the data-parallel size 4"),
     ("moe_tiny", 8, 8, "zero2", {"moe.num_experts": 6}, r"must divide model\.moe\.num_experts=6"),
-    ("moe_tiny", 4, 2, "zero3", {}, r"zero3\.json: zero_optimization\.stage=3 with parallel\."
-                                    r"expert_parallel=2: .* use zero1 or zero2"),
+    ("moe_tiny", 4, 2, "zero0", {}, r"zero0\.json: zero_optimization\.stage=0 with parallel\."
+                                    r"expert_parallel=2: .* use zero1, zero2 or zero3"),
+    ("moe_tiny", 4, 2, "zero3", {"tensor": 2}, r"zero3\.json: zero_optimization\.stage=3 with "
+                                               r"parallel\.expert_parallel=2 and parallel\."
+                                               r"tensor_parallel=2: .*use zero1 or zero2"),
     ("moe_tiny", 4, 2, "zero1", {"pipeline": 2}, r"parallel\.pipeline_parallel: model\.arch "
                                                  r"mixtral has no pipeline layout"),
     ("moe_tiny", 2, 2, "zero2", {"compile": True}, r"model\.compile=true with parallel\.expert_"),
@@ -194,6 +211,7 @@ def test_refusals_are_one_line(preset, world, ep, ds, extra, pattern):
     cfg.model.preset = preset
     cfg.parallel.expert_parallel = ep
     cfg.parallel.pipeline_parallel = extra.get("pipeline", 1)
+    cfg.parallel.tensor_parallel = extra.get("tensor", 1)
     cfg.model.compile = extra.get("compile", False)
     if "moe.num_experts" in extra:
         cfg.model.moe.num_experts = extra["moe.num_experts"]

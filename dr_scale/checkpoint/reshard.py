@@ -128,6 +128,16 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: TargetLayout, wri
             f"{tag_dir}: written with {was}, resumed with {now}: a change of layout goes through "
             f"DeepSpeed's universal form, whose ZeRO-1/2 conversion (0.19.8) refuses experts "
             f"split over ranks with tensor parallelism; {way_out}")
+    if saved[2] != target.expert and 3 in (family, target.stage) and max(saved[2],
+                                                                     target.expert) > 1:
+        # measured (moe_tiny, EP 2 at ZeRO-3 -> EP 1): "AutoEP universal expert checkpoint
+        # target parameter is missing its EP group name"; the same EP size on more ranks, and
+        # ZeRO-3 <-> ZeRO-2 at it, convert and continue the losses
+        raise DrScaleError(
+            f"{tag_dir}: written with {was}, resumed with {now}: DeepSpeed 0.19.8 changes the "
+            f"expert-parallel size through its universal form at ZeRO-1/2 only (its ZeRO-3 "
+            f"load of experts needs the same size); resume with expert_parallel={saved[2]} "
+            f"(any data-parallel size, ZeRO-2 or 3), or convert at ZeRO-2 first")
     record = _conversion_record(tag_dir) if max(saved) > 1 else {}
     if saved[1] > 1 and PIPELINE_REPLICATED_PARAMETER_PATTERNS not in record \
             and saved_model(tag_dir).get("tie_embeddings", True):

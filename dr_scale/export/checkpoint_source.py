@@ -146,7 +146,9 @@ class UniversalSource(Source):
     def pieces(self, name):
         value = torch.load(self.folder / "zero" / name / "fp32.pt", map_location="cpu",
                            weights_only=False, mmap=True)  # DeepSpeed's pickle: {"param": ...}
-        yield from _cut(value["param"].reshape(-1).float())
+        if isinstance(value, dict):
+            value = value["param"]
+        yield from _cut(value.reshape(-1).float())  # (ZeRO-3 expert-parallel: the tensor alone)
 
 
 def _nvme_state(tag_dir: Path):

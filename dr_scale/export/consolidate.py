@@ -82,7 +82,10 @@ def checkpoint_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
         raise DrScaleError(f"{tag_dir}: checkpoint not found")
     full = _model_shapes(shape)
     layer_files = list(tag_dir.glob("layer_*-model_*-model_states.pt"))
-    if list(tag_dir.glob("layer_*_expert_*_model_states.pt")):  # expert parallel
+    # expert parallel: per-expert files (ZeRO-1/2), or ZeRO-3's partitions over expert-data
+    # groups, which DeepSpeed's zero_to_fp32 refuses and its universal conversion reads
+    if list(tag_dir.glob("layer_*_expert_*_model_states.pt")) or \
+            saved_topology(tag_dir).expert > 1:
         ranks = _expert_parallel_sources(tag_dir, full)
     elif layer_files:
         by_rank = {}

@@ -6,7 +6,11 @@ What each rank keeps: its experts' slice (E / EP of each stacked w1, w2, w3), th
 model whole. The experts' gradients are reduced over their expert-data group (the ranks holding
 the same slice), the rest over all data-parallel ranks: DeepSpeed's ZeRO-1/2 optimizer does
 both, for the parameters it finds marked as experts (`allreduce=False`, `group_name`) in a
-parameter group marked `moe` (train/engine.py), once its engine has found an MoE layer.
+parameter group marked `moe` (train/engine.py), once its engine has found an MoE layer. Its
+ZeRO-3 partitions the experts over their expert-data group by AutoEP's placement marks
+(`ds_zero_placement_family`, `ds_zero_partition_group_name`), when the engine itself makes
+them ZeRO-3 parameters: so not under tensor parallelism, where each slice is partitioned as it
+is made (refused).
 
 Why DeepSpeed's AutoEP layer class (and not its `moe.layer.MoE`): the engine turns on its MoE
 handling (expert groups, the experts' checkpoint files) only for modules of those two classes,
@@ -41,11 +45,18 @@ def refusals(shape, topo: Topology, zero: int, compile_on, ds_path) -> None:
         raise DrScaleError(f"{key} with pipeline_parallel={topo.pipeline}: DeepSpeed's pipeline "
                            "engine has no expert groups; set pipeline_parallel=1 (tensor and "
                            "data parallelism combine with it)")
-    if zero not in (1, 2):
+    if zero == 0:
         raise DrScaleError(
-            f"{ds_path}: zero_optimization.stage={zero} with {key}: DeepSpeed reduces and "
-            "partitions the experts' gradients over their expert-data groups in its ZeRO-1/2 "
-            "optimizer only (its ZeRO-3 does it for its AutoEP layers alone); use zero1 or zero2")
+            f"{ds_path}: zero_optimization.stage=0 with {key}: DeepSpeed reduces the experts' "
+            "gradients over their expert-data groups in its ZeRO optimizers only; use zero1, "
+            "zero2 or zero3")
+    if zero == 3 and topo.sliced:
+        raise DrScaleError(
+            f"{ds_path}: zero_optimization.stage=3 with {key} and parallel.tensor_parallel="
+            f"{topo.tensor}: each rank's tensor-parallel slices are partitioned over the "
+            "data-parallel group as they are made, which DeepSpeed then refuses for experts "
+            "(they must be partitioned over their expert-data group); use zero1 or zero2 with "
+            "tensor parallelism, or tensor_parallel=1")
     if compile_on:
         raise DrScaleError(f"model.compile=true with {key}: the all-to-all of the tokens breaks "
                            "each block's graph; set model.compile to false or auto")
@@ -167,6 +178,9 @@ def split_experts(model: nn.Module, topo: Topology) -> int:
             logical = [shard.num_experts, *param.shape[1:]]
             affine = autoep_placement_to_affine_map(moe.expert_placement_descriptor, logical)
             param.allreduce = False  # reduced over the expert-data group, not all of DP
+            # ZeRO-3 partitions it over the expert-data group (DeepSpeed's AutoEP placement)
+            param.ds_zero_placement_family = "autoep_expert"
+            param.ds_zero_partition_group_name = moe.ep_group_name
             param.expert_slice = (shard.first, shard.num_experts)  # read by expert_slice()
             param.group_name = moe.ep_group_name
             # Under TP the expert-data group spans the tensor group, so a rank's ZeRO partition
