@@ -22,8 +22,8 @@ COMMON = ["data.seq_length=64", "train.max_steps=4", "train.warmup_steps=1",
           "train.log_interval=1", "train.eval_interval=4", "train.save_interval=2",
           "train.eval_samples=8", "train.global_batch_size=8", "train.micro_batch_size=2",
           "train.lr=3e-3", "logging.plot=false", "logging.tensorboard=false"]
-# CPU runs are a few steps long: a rate that moves the biases visibly within them
-EXTRA = {"qwen2_moe": [], "glm4_moe": ["model.moe.bias_update_rate=0.01"]}
+# (deepseek_moe_tiny balances by its routing bias at 0.01 a step, as shipped)
+EXTRA = {"qwen2_moe": [], "glm4_moe": []}
 
 
 def random_block(preset: str, seed: int = 0):
@@ -207,3 +207,29 @@ def test_export_refuses_routing_the_class_cannot_compute(tmp_path, preset, moe, 
     with pytest.raises(DrScaleError, match=pattern) as e:
         hf_config(shape, 0)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("preset, total, idle", [
+    # the published sizes: Qwen1.5-MoE-A2.7B 14.3B of which 2.7B active (24 MoE layers, 56 of
+    # 60 experts of 3 x 2048 x 1408 idle for a token); DeepSeekMoE-16B 16.4B of which 2.8B
+    # active (27 MoE layers after its dense first, 58 of 64 experts idle)
+    ("qwen1_5_moe_a2_7b", 14_315_784_192, 24 * 56 * 3 * 2048 * 1408),
+    ("deepseek_moe_16b", 16_375_728_128, 27 * 58 * 3 * 2048 * 1408)])
+def test_presets_count_as_transformers_builds_them(preset, total, idle):
+    """Our model and transformers' class built from our exported config.json (both on meta)
+    have the same parameters (transformers' routing bias is a buffer, ours too); the active
+    count leaves out the experts a token is not routed to."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dr_scale.export.hf import hf_config
+    from dr_scale.models.build import count_parameters, spec_of
+
+    shape = resolve_shape(ModelConfig(preset=preset))
+    n = count_parameters(build_model(shape, device="meta"))
+    fields = {k: v for k, v in hf_config(shape, 0).items()
+              if k not in ("architectures", "torch_dtype", "dtype")}
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(fields.pop("model_type"), **fields))
+    assert n == sum(p.numel() for p in theirs.parameters()) == total
+    assert spec_of(shape.arch).active_parameters(shape, n) == total - idle

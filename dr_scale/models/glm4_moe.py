@@ -83,13 +83,15 @@ SPEC = MODEL_REGISTRY.register("glm4_moe", ModelSpec(
                 tensors=hf_tensors),
     presets={
         # tests and CPU runs: 8 sigmoid-scored experts of 176, top-2, one shared expert, the
-        # first block dense (704), balanced by the routing bias instead of a loss
+        # first block dense (704), balanced by the routing bias instead of a loss; at 0.01 a
+        # step (DeepSeek-V3's 0.001 is for runs of 100,000s of steps: from a collapsed router
+        # moe_tiny came within 1.3x in 158 steps at 0.01, oscillated at 0.02; moe_balance.py)
         "deepseek_moe_tiny": dict(_GLM4_MOE, hidden_size=256, num_layers=4, num_heads=8,
                                   num_kv_heads=4, ffn_hidden_size=704, max_seq_length=1024,
                                   vocab_size=4096,
                                   moe=dict(num_experts=8, top_k=2, expert_ffn=176,
                                            shared_experts=1, dense_layers=1, score="sigmoid",
-                                           bias_update_rate=0.001, aux_loss_coeff=0.0,
+                                           bias_update_rate=0.01, aux_loss_coeff=0.0,
                                            route_scale=1.0)),
         # DeepSeekMoE-16B's expert shape (64 experts of 1408, top-6, 2 shared, the first block
         # dense at 10944) routed as DeepSeek-V3 routes (sigmoid, bias, scale 2.5)

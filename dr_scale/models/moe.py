@@ -213,7 +213,9 @@ class SparseMoE(nn.Module):
 
         flat = chosen.reshape(-1)                                # assignment a: token a // k
         order = torch.argsort(flat, stable=True)                 # grouped by expert, tokens in order
-        counts = torch.bincount(flat, minlength=num_experts)
+        # (not bincount, which on a GPU waits for the largest index)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))
         if self.moe.capacity_factor is not None and self.training:
             capacity = math.ceil(self.moe.capacity_factor * tokens * k / num_experts)
             starts = torch.cumsum(counts, 0) - counts

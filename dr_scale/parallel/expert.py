@@ -96,12 +96,14 @@ class ExpertShard(Experts):
         gathered = [torch.empty_like(counts) for _ in range(size)]
         comm.all_gather(gathered, counts, group=self.group)
         received = torch.stack(gathered)[:, self.first:self.first + local]   # (source, local)
-        send = counts.view(size, local).sum(1).tolist()
-        recv = received.sum(1).tolist()
+        # the all-to-all's sizes are the host's: one wait on the device for the layer, all of
+        # them read at once
+        sizes = torch.cat([counts.view(size, local).sum(1), received.sum(1)]).tolist()
+        send, recv = sizes[:size], sizes[size:]
         rows = _all_to_all(x, recv, send, self.group)
         # arrived by (source, expert); the experts want them by (expert, source)
         block = torch.repeat_interleave(torch.arange(size * local, device=x.device),
-                                        received.flatten())
+                                        received.flatten(), output_size=sum(recv))
         by_expert = torch.argsort((block % local) * size + block // local, stable=True)
         weights = [self.w1, self.w2, self.w3]
         if self.grad_scale != 1:
