@@ -3,7 +3,7 @@
 the same skewed start.
 
     python benchmarks/moe_balance.py [--preset moe_tiny] [--ranks 2] [--skew_steps 40]
-                                     [--steps 200] [--rate 0.01] [--aux 0.01]
+                                     [--steps 200] [--rate 0.01] [--aux 0.01] [--seed 1234]
                                      [--out bench_out/moe_balance]
 
 The skewed start: one job trains `skew_steps` steps with no balancing at all (no auxiliary loss,
@@ -41,7 +41,8 @@ def job(name, run_dir: Path, a, steps: int, aux: float, rate: float, resume: boo
            f"train.micro_batch_size={a.micro_batch}", f"data.seq_length={a.seq_length}",
            "train.log_interval=2", f"train.eval_interval={steps}",
            f"train.eval_samples={a.eval_samples}", f"train.save_interval={steps}",
-           "train.warmup_steps=10", "logging.plot=false", "logging.tensorboard=false"]
+           "train.warmup_steps=10", f"train.seed={a.seed}", "logging.plot=false",
+           "logging.tensorboard=false"]
     if resume:
         cmd += ["--resume", "auto"]
     print(f"  {name}: {' '.join(cmd[5:])}", flush=True)
@@ -94,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--seq_length", type=int, default=256)
     ap.add_argument("--micro_batch", type=int, default=4)
     ap.add_argument("--eval_samples", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=1234, help="train.seed of all three jobs")
     ap.add_argument("--out", default="bench_out/moe_balance")
     a = ap.parse_args(argv)
     where = f"{cpu_model()}, {os.cpu_count()} core(s)"
@@ -122,7 +124,7 @@ def main(argv=None):
                    (f"steps to <= {TARGET}x", lambda r: r["steps_to_target"] or "not reached"),
                    ("load, last 10 records", lambda r: f"{r['last_load']:.2f}"),
                    (f"held-out loss at step {total}", lambda r: f"{r['eval_loss']:.4f}")],
-                  dict(cpu=where, preset=a.preset, ranks=a.ranks))
+                  dict(cpu=where, preset=a.preset, ranks=a.ranks, seed=a.seed))
     plot(rows, out, title, a.skew_steps)
     print(f"wrote {out / 'moe_balance.png'}")
 
