@@ -112,6 +112,11 @@ def family_runs(request, cache_dir, tmp_path_factory):
             runs[arch, ranks] = run = base / f"{arch}_{ranks}"
             launch(["--ds_config", ds, "--run_dir", run, f"model.preset={preset}", *COMMON,
                     *EXTRA[arch], f"parallel.expert_parallel={ranks}"], ranks, cache_dir)
+    # the DeepSeek-style family's experts partitioned by ZeRO-3 over their expert-data groups
+    runs["glm4_moe", "zero3"] = run = base / "glm4_moe_zero3"
+    launch(["--ds_config", fp32_config(base, 3), "--run_dir", run,
+            f"model.preset={FAMILIES['glm4_moe']}", *COMMON, "parallel.expert_parallel=2"], 2,
+           cache_dir)
     return ds, runs
 
 
@@ -178,6 +183,49 @@ def test_export_to_transformers_and_back(family_runs, tmp_path, arch):
         load_into(imported, weights, str(folder))
         for name, tensor in ours.state_dict().items():
             assert torch.equal(imported.state_dict()[name], tensor), (folder.name, name)
+
+
+def test_zero3_keeps_the_biases_through_export(family_runs, tmp_path):
+    """EP 2 at ZeRO-3: the ZeRO-2 run's losses (1e-6), and its export (through DeepSpeed's
+    universal form, which leaves the routing biases to the model-states file) the ZeRO-2 run's
+    export: every tensor within 1e-5 of the largest, the biases bitwise."""
+    from safetensors.torch import load_file
+
+    _, runs = family_runs
+    zero2, zero3 = losses(runs["glm4_moe", 2]), losses(runs["glm4_moe", "zero3"])
+    assert sorted(zero3) == sorted(zero2)
+    assert all(zero3[s] == pytest.approx(zero2[s], rel=1e-6) for s in zero2)
+    tensors = {}
+    for key in (2, "zero3"):
+        out = tmp_path / str(key)
+        proc = export(runs["glm4_moe", key], out)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        tensors[key] = load_file(next(out.glob("*.safetensors")))
+    want, got = tensors[2], tensors["zero3"]
+    assert want.keys() == got.keys()
+    scale = max(t.abs().max().item() for t in want.values())
+    for name in want:
+        if name.endswith("e_score_correction_bias"):
+            assert torch.equal(got[name], want[name]) and want[name].abs().max() > 0, name
+        else:
+            assert (got[name] - want[name]).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_resume_on_another_layout_keeps_the_biases(family_runs, cache_dir, tmp_path):
+    """EP 2 stopped after step 2, resumed on one rank through DeepSpeed's universal form (which
+    restores parameters only: dr_scale copies the saved buffers back): steps 3-4 continue the
+    uninterrupted run (1e-5) and its step-4 biases are the uninterrupted run's, bitwise."""
+    ds, runs = family_runs
+    run = tmp_path / "resumed"
+    stopped_at(runs["glm4_moe", 2], run, 2)
+    proc = launch(["--ds_config", ds, "--run_dir", run, "--resume", "auto",
+                   f"model.preset={FAMILIES['glm4_moe']}", *COMMON,
+                   "parallel.expert_parallel=1"], 1, cache_dir, launcher="python")
+    assert "resharding" in proc.stdout + proc.stderr
+    want, got = losses(runs["glm4_moe", 2], after=2), losses(run, after=2)
+    assert sorted(got) == [3, 4]
+    assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want)
+    assert torch.equal(routing_biases(run, 4), routing_biases(runs["glm4_moe", 2], 4))
 
 
 def test_resume_continues_the_balanced_run(family_runs, cache_dir, tmp_path):

@@ -198,6 +198,16 @@ def saved_topology(tag_dir: Path) -> Topology:
     return Topology(ranks_written(Path(tag_dir)), tensor, pipeline, expert=expert)
 
 
+def rank0_model_states(tag_dir: Path) -> Optional[Path]:
+    """Tensor rank 0's model-states file (`mp_rank_00_model_states.pt`, ZeRO-3's
+    `zero_pp_rank_0_mp_rank_00_model_states.pt`), not an expert's (`layer_*_expert_*`), which
+    sorts first; None where there is none."""
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if (Path(tag_dir) / name).is_file():
+            return Path(tag_dir) / name
+    return None
+
+
 def tensor_ranks(tag_dir: Path) -> list:
     """The tensor ranks ("00", "01", ...) DeepSpeed's model-states file names hold."""
     return sorted({m.group(1) for f in Path(tag_dir).glob("*_model_states.pt")

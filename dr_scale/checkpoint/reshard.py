@@ -25,7 +25,8 @@ from deepspeed.checkpoint.constants import (PARAMETER_WITH_ROW_PARALLELISM_PATTE
 
 from dr_scale.runtime import nvme_offload
 from dr_scale.errors import DrScaleError
-from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, ranks_written, saved_model,
+from dr_scale.checkpoint.layout import (STATE_FILE, TargetLayout, rank0_model_states,
+                                       ranks_written, saved_model,
                                        saved_optimizer, saved_parallel_layout,
                                        saved_sub_group_size,
                                        saved_zero_family, universal_dir)
@@ -154,11 +155,11 @@ def _refuse_layout_change(tag_dir: Path, saved: tuple, target: TargetLayout, wri
 
 def _model_states(tag_dir: Path) -> dict:
     """Tensor rank 0's model-states file of the checkpoint (empty where none)."""
-    files = sorted(Path(tag_dir).glob("*mp_rank_00_model_states.pt"))
-    if not files:
+    found = rank0_model_states(tag_dir)  # (an expert's file sorts before it)
+    if found is None:
         return {}
     # DeepSpeed's own file (DeepSpeed loads it with weights_only=False too); mmap: no weights read
-    return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    return torch.load(found, map_location="cpu", weights_only=False, mmap=True)
 
 
 def _conversion_record(tag_dir: Path) -> dict:

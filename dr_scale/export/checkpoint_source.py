@@ -138,12 +138,18 @@ class UniversalSource(Source):
     `zero/<name>/fp32.pt` per parameter); `keep` holds what must live as long as the source
     (the temporary folder)."""
 
-    def __init__(self, folder: Path, shapes: Dict[str, Tuple[int, ...]], keep=None):
-        self.folder, self.keep = Path(folder), keep
+    def __init__(self, folder: Path, shapes: Dict[str, Tuple[int, ...]], keep=None,
+                 buffers: Dict[str, torch.Tensor] = None):
+        """`buffers`: saved buffers the conversion leaves out (ZeRO-3's expert-parallel form
+        has no file for the routing bias), whole."""
+        self.folder, self.keep, self.buffers = Path(folder), keep, buffers or {}
         self.entries = [(n, s) for n, s in shapes.items()
-                        if (self.folder / "zero" / n / "fp32.pt").is_file()]
+                        if (self.folder / "zero" / n / "fp32.pt").is_file() or n in self.buffers]
 
     def pieces(self, name):
+        if not (self.folder / "zero" / name / "fp32.pt").is_file():
+            yield from _cut(self.buffers[name].reshape(-1).float())
+            return
         value = torch.load(self.folder / "zero" / name / "fp32.pt", map_location="cpu",
                            weights_only=False, mmap=True)  # DeepSpeed's pickle: {"param": ...}
         if isinstance(value, dict):
