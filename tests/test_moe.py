@@ -347,14 +347,24 @@ def test_export_is_scored_by_transformers_as_the_run(moe_run, tmp_path):
     scored = score(out, moe_run)
     assert scored.relative_difference < 0.01, scored.as_dict()
 
-    cfg = RunConfig()
-    cfg.model.init_from = str(out)
-    state = apply_init_from(cfg)
-    assert (cfg.model.arch, cfg.model.moe.num_experts, cfg.model.moe.top_k) == ("mixtral", 8, 2)
-    imported = build_model(shape)
-    load_into(imported, state, str(out))
-    for name, tensor in ours.state_dict().items():
-        assert torch.equal(imported.state_dict()[name], tensor), name
+    # and a folder in transformers 5's own layout (all experts in one tensor, `mlp.gate`)
+    from safetensors.torch import save_file
+
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((out / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+              str(fused / "model.safetensors"), metadata={"format": "pt"})
+    for folder in (out, fused):
+        cfg = RunConfig()
+        cfg.model.init_from = str(folder)
+        state = apply_init_from(cfg)
+        assert (cfg.model.arch, cfg.model.moe.num_experts, cfg.model.moe.top_k) == \
+            ("mixtral", 8, 2)
+        imported = build_model(shape)
+        load_into(imported, state, str(folder))
+        for name, tensor in ours.state_dict().items():
+            assert torch.equal(imported.state_dict()[name], tensor), (folder.name, name)
 
 
 def test_resume_continues_the_uninterrupted_losses(moe_run, cache_dir, tmp_path):
