@@ -208,6 +208,19 @@ def rank0_model_states(tag_dir: Path) -> Optional[Path]:
     return None
 
 
+def saved_buffers(tag_dir: Path) -> dict:
+    """The buffers DeepSpeed saved whole in tensor rank 0's model-states file (`buffer_names`),
+    by name. The file is mapped, not read: it holds the module's weights too (the whole model
+    under ZeRO-1/2), and only the buffers' pages are touched."""
+    found = rank0_model_states(tag_dir)
+    if found is None:
+        return {}
+    # DeepSpeed's own pickle (it loads it with weights_only=False too)
+    states = torch.load(found, map_location="cpu", weights_only=False, mmap=True)
+    module = states.get("module") or {}
+    return {n: module[n].clone() for n in states.get("buffer_names") or [] if n in module}
+
+
 def tensor_ranks(tag_dir: Path) -> list:
     """The tensor ranks ("00", "01", ...) DeepSpeed's model-states file names hold."""
     return sorted({m.group(1) for f in Path(tag_dir).glob("*_model_states.pt")

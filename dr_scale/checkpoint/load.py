@@ -8,7 +8,8 @@ import torch
 
 from dr_scale.checkpoint import muon_state
 from dr_scale.checkpoint.layout import (REHEARSAL, STAGING, STATE_FILE, TargetLayout, find_tag,
-                                        rank0_model_states, refuse_other_shape, universal_dir)
+                                        refuse_other_shape, saved_buffers,
+                                        universal_dir)
 from dr_scale.checkpoint.universal import repair_zero3_load
 from dr_scale.errors import DrScaleError
 from dr_scale.runtime import nvme_offload
@@ -54,15 +55,15 @@ def load(engine, ckpt_dir: Path, topology, expected_model: dict, plan: str = "di
 def _restore_buffers(engine, tag_dir: Path):
     """The saved buffers (a mixture of experts' routing biases), which DeepSpeed's universal
     load leaves as the model was built (measured: EP 2 -> 1 rank and EP 2 ZeRO-3 on 2 -> 4 ranks
-    resumed with zero biases): copied from the checkpoint's tensor rank 0 model-states file,
-    by name, where the model has them (every rank holds them whole)."""
-    found = rank0_model_states(tag_dir)
-    if found is None:
+    resumed with zero biases): copied from the checkpoint by name (every rank holds them whole).
+    Nothing is read for a model without saved buffers."""
+    own = {f"{prefix}.{name}" if prefix else name: buf
+           for prefix, module in engine.module.named_modules()
+           for name, buf in module._buffers.items()
+           if buf is not None and name not in module._non_persistent_buffers_set}
+    if not own:
         return
-    states = torch.load(found, map_location="cpu", weights_only=False)  # DeepSpeed's pickle
-    saved = states.get("module") or {}
-    own = dict(engine.module.named_buffers())
     with torch.no_grad():
-        for name in states.get("buffer_names") or []:
-            if name in own and name in saved:
-                own[name].copy_(saved[name].to(own[name].dtype))
+        for name, value in saved_buffers(tag_dir).items():
+            if name in own:
+                own[name].copy_(value.to(own[name].dtype))

@@ -19,6 +19,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from dr_scale.parallel.expert import expert_slice
 from dr_scale.runtime import comm
 
 
@@ -77,7 +78,7 @@ def local_grads(engine, topology) -> List[LocalGrad]:
         else:
             out.append(LocalGrad(name, None if p.grad is None else p.grad.view(-1), False, None))
         out[-1].tp_sharded = id(p) in tp_ids
-        out[-1].expert = getattr(p, "expert_slice", None) is not None  # parallel/expert.py
+        out[-1].expert = expert_slice(p) is not None
     return out
 
 

@@ -90,7 +90,6 @@ def write_values(engine, shards: List[Shard], values: List[torch.Tensor], topolo
     and stay apart."""
     gather = engine.zero_optimization_stage() in (1, 2)
     mine = {s.name: (s, v) for s, v in zip(shards, values)}
-    experts = {name for name, p in engine.module.named_parameters() if expert_slice(p)}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
@@ -106,6 +105,6 @@ def write_values(engine, shards: List[Shard], values: List[torch.Tensor], topolo
         if entry is not None:
             full.narrow(0, entry[0].start, entry[0].numel).copy_(entry[1])
         if gather:  # fragments are disjoint across the group: their sum is p
-            comm.all_reduce(full, group=topology.expert_data_group if name in experts
+            comm.all_reduce(full, group=topology.expert_data_group if expert_slice(p)
                             else data_parallel_group(engine))
         p.data.copy_(full.view_as(p))

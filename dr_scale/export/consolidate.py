@@ -24,7 +24,7 @@ from dr_scale.export.checkpoint_source import (PipelineSource, Source, TensorJoi
 from dr_scale.models import build_model
 from dr_scale.models.build import ModelShape, spec_of
 from dr_scale.callbacks.ema import load_ema_state
-from dr_scale.checkpoint.layout import rank0_model_states, saved_topology
+from dr_scale.checkpoint.layout import saved_buffers, saved_topology
 
 
 def run_shape(run_dir: Path) -> ModelShape:
@@ -144,16 +144,6 @@ def _one_rank_source(ckpt_dir: Path, tag: str, shape: ModelShape) -> Source:
     return WholeSource(_zero0_state(tag_dir, shape))
 
 
-def _saved_buffers(tag_dir: Path) -> dict:
-    """The buffers DeepSpeed saved whole in tensor rank 0's model-states file (`buffer_names`)."""
-    found = rank0_model_states(tag_dir)
-    if found is None:
-        return {}
-    states = torch.load(found, map_location="cpu", weights_only=False)  # DeepSpeed's pickle
-    return {n: states["module"][n] for n in states.get("buffer_names") or []
-            if n in states.get("module", {})}
-
-
 def _expert_parallel_sources(tag_dir: Path, full: dict) -> list:
     """An expert-parallel checkpoint: through DeepSpeed's universal form (its fp32 masters), in
     a temporary folder beside the checkpoint (the same file system: as large as its weights and
@@ -167,7 +157,7 @@ def _expert_parallel_sources(tag_dir: Path, full: dict) -> list:
         keep = tempfile.TemporaryDirectory(prefix=".export-", dir=tag_dir.parent)
         folder = Path(keep.name) / "universal"
         ds_to_universal(tag_dir, folder, default_workers(tag_dir), show_progress=True)
-        return [UniversalSource(folder, full, keep, _saved_buffers(tag_dir))]
+        return [UniversalSource(folder, full, keep, saved_buffers(tag_dir))]
     experts = {}  # name -> {expert: tensor}, the experts replicated over the tensor group
     for f in tag_dir.glob("layer_*_expert_*_mp_rank_00_model_states.pt"):
         for key, value in torch.load(f, map_location="cpu", weights_only=True).items():

@@ -9,6 +9,8 @@ and without its multi-token-prediction layers.
 Not expressed: DeepSeek-V3's group-limited routing (n_group > 1 is refused on import) and its
 multi-head latent attention.
 """
+import dataclasses
+
 from dr_scale.errors import DrScaleError
 from dr_scale.models import llama, moe_hf
 from dr_scale.models.mixtral import MixtralForCausalLM
@@ -71,7 +73,7 @@ def shape_from_hf(config: dict, source: str) -> dict:
 
 
 def hf_tensors(shape, fused: bool = False) -> list:
-    return moe_hf.tensors(shape, moe_hf.Names(**{**NAMES.__dict__, "fused": fused}))
+    return moe_hf.tensors(shape, dataclasses.replace(NAMES, fused=fused))
 
 
 _GLM4_MOE = dict(arch="glm4_moe", norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=False)

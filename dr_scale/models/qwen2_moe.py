@@ -6,6 +6,8 @@ where transformers' mlp_only_layers lists them (here the first `dense_layers`).
 transformers' Qwen2MoeForCausalLM reads it (export and import, models/moe_hf.py); its
 checkpoints name the shared expert `mlp.shared_expert` and its gate `mlp.shared_expert_gate`.
 """
+import dataclasses
+
 from dr_scale.errors import DrScaleError
 from dr_scale.models import llama, moe_hf
 from dr_scale.models.mixtral import MixtralForCausalLM
@@ -70,8 +72,7 @@ def shape_from_hf(config: dict, source: str) -> dict:
 
 
 def hf_tensors(shape, fused: bool = False) -> list:
-    names = moe_hf.Names(**{**NAMES.__dict__, "fused": fused})
-    return moe_hf.tensors(shape, names, qkv_bias=True)
+    return moe_hf.tensors(shape, dataclasses.replace(NAMES, fused=fused), qkv_bias=True)
 
 
 _QWEN2_MOE = dict(arch="qwen2_moe", norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=False)
